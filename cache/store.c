@@ -1,0 +1,171 @@
+/* store.c - atomic publish, locking and cache-root resolution (see store.h).
+ * Kept apart from the cubin cache and the tuning DB so both inherit one audited
+ * implementation of temp+fsync+rename and flock. */
+#include "cache/store.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+m3_status m3_cache_root(char *buf, size_t n, m3_err *e) {
+  const char *d = getenv("M3KIT_CACHE_DIR");
+  if (d && *d) {
+    snprintf(buf, n, "%s", d);
+    return M3_OK;
+  }
+  d = getenv("XDG_CACHE_HOME");
+  if (d && *d) {
+    snprintf(buf, n, "%s/m3kit", d);
+    return M3_OK;
+  }
+  d = getenv("HOME");
+  if (d && *d) {
+    snprintf(buf, n, "%s/.cache/m3kit", d);
+    return M3_OK;
+  }
+  return m3_errf(e, M3_INVAL, "no cache directory: set M3KIT_CACHE_DIR, XDG_CACHE_HOME or HOME");
+}
+
+m3_status m3_mkdirs(const char *path, m3_err *e) {
+  char tmp[4096];
+  size_t len = strlen(path);
+  if (len == 0 || len >= sizeof tmp) return m3_errf(e, M3_INVAL, "bad directory path '%s'", path);
+  memcpy(tmp, path, len + 1);
+  for (char *p = tmp + 1; *p; p++) {
+    if (*p != '/') continue;
+    *p = 0;
+    if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
+      return m3_errf(e, M3_IO, "%s: cannot create directory: %s", tmp, strerror(errno));
+    *p = '/';
+  }
+  if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
+    return m3_errf(e, M3_IO, "%s: cannot create directory: %s", tmp, strerror(errno));
+  struct stat st;
+  if (stat(tmp, &st) != 0 || !S_ISDIR(st.st_mode))
+    return m3_errf(e, M3_IO, "%s: not a directory", tmp);
+  return M3_OK;
+}
+
+m3_status m3_read_file(const char *path, uint8_t **data, size_t *len, m3_err *e) {
+  *data = NULL;
+  *len = 0;
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return m3_errf(e, errno == ENOENT ? M3_NOTFOUND : M3_IO, "%s: %s", path, strerror(errno));
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    close(fd);
+    return m3_errf(e, M3_IO, "%s: stat: %s", path, strerror(errno));
+  }
+  size_t n = (size_t)st.st_size;
+  uint8_t *buf = malloc(n + 1);
+  if (!buf) {
+    close(fd);
+    return m3_errf(e, M3_NOMEM, "%s: cannot allocate %zu bytes", path, n);
+  }
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = read(fd, buf + got, n - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) break;
+    got += (size_t)r;
+  }
+  close(fd);
+  if (got != n) {
+    free(buf);
+    return m3_errf(e, M3_IO, "%s: short read (%zu of %zu bytes)", path, got, n);
+  }
+  buf[n] = 0;
+  *data = buf;
+  *len = n;
+  return M3_OK;
+}
+
+static m3_status write_all(int fd, const void *data, size_t len, const char *path, m3_err *e) {
+  const uint8_t *p = data;
+  while (len) {
+    ssize_t w = write(fd, p, len);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) return m3_errf(e, M3_IO, "%s: write: %s", path, strerror(errno));
+    p += w;
+    len -= (size_t)w;
+  }
+  return M3_OK;
+}
+
+m3_status m3_write_atomic(const char *path, const void *data, size_t len, m3_err *e) {
+  static unsigned counter;
+  char tmp[4200];
+  snprintf(tmp, sizeof tmp, "%s.tmp.%ld.%u", path, (long)getpid(),
+           __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED));
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) return m3_errf(e, M3_IO, "%s: cannot create temp file: %s", tmp, strerror(errno));
+  m3_status s = write_all(fd, data, len, tmp, e);
+  if (s == M3_OK && fsync(fd) != 0) s = m3_errf(e, M3_IO, "%s: fsync: %s", tmp, strerror(errno));
+  if (close(fd) != 0 && s == M3_OK) s = m3_errf(e, M3_IO, "%s: close: %s", tmp, strerror(errno));
+  if (s == M3_OK && rename(tmp, path) != 0)
+    s = m3_errf(e, M3_IO, "%s: rename into place: %s", path, strerror(errno));
+  if (s != M3_OK) {
+    unlink(tmp);
+    return s;
+  }
+  /* Make the rename itself durable. */
+  char dir[4200];
+  snprintf(dir, sizeof dir, "%s", path);
+  char *slash = strrchr(dir, '/');
+  if (slash) {
+    *slash = 0;
+    int dfd = open(*dir ? dir : "/", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {
+      fsync(dfd);
+      close(dfd);
+    }
+  }
+  return M3_OK;
+}
+
+m3_status m3_lock(const char *path, int *fd, m3_err *e) {
+  char lk[4200];
+  snprintf(lk, sizeof lk, "%s.lock", path);
+  int f = open(lk, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (f < 0) return m3_errf(e, M3_IO, "%s: cannot open lock file: %s", lk, strerror(errno));
+  while (flock(f, LOCK_EX) != 0) {
+    if (errno == EINTR) continue;
+    int err = errno;
+    close(f);
+    return m3_errf(e, M3_IO, "%s: flock: %s", lk, strerror(err));
+  }
+  *fd = f;
+  return M3_OK;
+}
+
+void m3_unlock(int fd) {
+  if (fd >= 0) {
+    flock(fd, LOCK_UN);
+    close(fd);
+  }
+}
+
+int m3_store_sweep_tmp(const char *dir, int age_s) {
+  DIR *d = opendir(dir);
+  if (!d) return 0;
+  int removed = 0;
+  time_t now = time(NULL);
+  struct dirent *de;
+  while ((de = readdir(d))) {
+    if (!strstr(de->d_name, ".tmp.")) continue;
+    char p[4200];
+    snprintf(p, sizeof p, "%s/%s", dir, de->d_name);
+    struct stat st;
+    if (stat(p, &st) == 0 && now - st.st_mtime >= age_s && unlink(p) == 0) removed++;
+  }
+  closedir(d);
+  return removed;
+}

@@ -1,0 +1,31 @@
+# M3_CHECK_CUDA: the --with-cuda=DIR probe.
+# Finds the NVRTC, driver-API (stub library when no driver is installed), cuBLAS
+# and static cudart libraries of one toolkit, and records an rpath so that a
+# binary built here finds the same toolkit's libraries on the GPU machine.
+AC_DEFUN([M3_CHECK_CUDA], [
+  AC_ARG_WITH([cuda],
+    [AS_HELP_STRING([--with-cuda=DIR], [CUDA toolkit root (default /usr/local/cuda)])],
+    [CUDA_HOME=$withval], [CUDA_HOME=/usr/local/cuda])
+  AS_IF([test -f "$CUDA_HOME/include/nvrtc.h"], [],
+    [AC_MSG_ERROR([nvrtc.h not found under $CUDA_HOME/include; pass --with-cuda=DIR])])
+  CUDA_LIBDIR=$CUDA_HOME/lib64
+  AS_IF([test -d "$CUDA_LIBDIR"], [], [CUDA_LIBDIR=$CUDA_HOME/lib])
+  CUDA_CPPFLAGS="-I$CUDA_HOME/include"
+  save_LDFLAGS=$LDFLAGS; save_CPPFLAGS=$CPPFLAGS; save_LIBS=$LIBS
+  CPPFLAGS="$CPPFLAGS $CUDA_CPPFLAGS"
+  LDFLAGS="$LDFLAGS -L$CUDA_LIBDIR -L$CUDA_LIBDIR/stubs"
+  AC_CHECK_LIB([nvrtc], [nvrtcCompileProgram], [],
+    [AC_MSG_ERROR([libnvrtc not found in $CUDA_LIBDIR])])
+  AC_CHECK_LIB([cuda], [cuModuleLoadData], [],
+    [AC_MSG_ERROR([libcuda (driver API, or its stub) not found in $CUDA_LIBDIR/stubs])])
+  AC_CHECK_LIB([cublas], [cublasCreate_v2], [],
+    [AC_MSG_ERROR([libcublas not found in $CUDA_LIBDIR])])
+  AS_IF([test -f "$CUDA_LIBDIR/libcudart_static.a"], [],
+    [AC_MSG_ERROR([libcudart_static.a not found in $CUDA_LIBDIR])])
+  LDFLAGS=$save_LDFLAGS; CPPFLAGS=$save_CPPFLAGS; LIBS=$save_LIBS
+  # The driver stub only resolves symbols at link time; at run time the real
+  # libcuda.so.1 of the installed driver is loaded, hence -L for stubs but no rpath.
+  CUDA_LIBS="-L$CUDA_LIBDIR -L$CUDA_LIBDIR/stubs -Wl,-rpath,$CUDA_LIBDIR -lnvrtc -lcublas -lcublasLt $CUDA_LIBDIR/libcudart_static.a -lcuda -lpthread -ldl -lrt"
+  AC_SUBST([CUDA_HOME]) AC_SUBST([CUDA_CPPFLAGS]) AC_SUBST([CUDA_LIBS])
+  AC_DEFINE_UNQUOTED([M3_CUDA_HOME], ["$CUDA_HOME"], [CUDA toolkit root used at build time])
+])
