@@ -41,7 +41,7 @@ m3_status m3_write_atomic(const char *path, const void *data, size_t len, m3_err
 m3_status m3_lock(const char *path, int *fd, m3_err *e);
 void m3_unlock(int fd);
 
-/* Remove "<dir>/*.tmp.*" files older than `age_s` seconds (left by killed
+/* Remove "<dir>/<name>.tmp.<pid>.<n>" files older than `age_s` seconds (left by killed
  * writers).  Best effort; returns the number removed. */
 int m3_store_sweep_tmp(const char *dir, int age_s);
 

@@ -1,14 +1,63 @@
-/* m3kit.c - the CLI entry: subcommand table, --help, and the only place where
- * an m3_status becomes an exit code. */
+/* m3kit.c - the CLI entry: the subcommand table, --help, and the only place
+ * where an m3_status becomes an exit code (cli_fail). */
 #include <stdio.h>
 #include <string.h>
 
 #include "include/m3kit.h"
+#include "tools/cli.h"
+
+typedef struct {
+  const char *name;
+  int (*fn)(int, char **);
+  const char *help;
+} command;
+
+static const command commands[] = {
+    {"gen", cmd_gen, "list, emit, compile and inspect kernel variants (no GPU needed)"},
+    {"run", cmd_run, "JIT-compile the kernels and run the model (default: embedded tiny M3)"},
+    {"tune", cmd_tune, "autotune every kernel on this GPU into the tuning DB (once per GPU)"},
+    {"bench", cmd_bench, "roofline benchmarks of every kernel against measured ceilings"},
+    {"make-checkpoint", cmd_make_checkpoint, "write a random safetensors checkpoint for a config"},
+};
+
+int cli_fail(const char *cmd, m3_status s, const m3_err *e) {
+  fprintf(stderr, "m3kit %s: error: %s: %s\n", cmd, m3_status_name(s),
+          e && e->msg[0] ? e->msg : m3_strerror(s));
+  return s == M3_NOGPU ? 3 : 1;
+}
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "m3kit " M3KIT_VERSION " - generate, JIT-compile, autotune and run MiniMax-M3 CUDA kernels\n\n"
+          "usage: m3kit <command> [options]     (m3kit <command> --help for its options)\n\n"
+          "commands:\n");
+  for (size_t i = 0; i < sizeof commands / sizeof *commands; i++)
+    fprintf(f, "  %-16s %s\n", commands[i].name, commands[i].help);
+  fprintf(f,
+          "\nenvironment:\n"
+          "  M3KIT_CACHE_DIR      cubin cache + tuning DB root (default $XDG_CACHE_HOME/m3kit or ~/.cache/m3kit)\n"
+          "  M3KIT_NO_JIT=1       a cubin-cache miss is an error naming the key\n"
+          "  M3KIT_TEMPLATE_DIR   read templates from this directory instead of the embedded copies\n"
+          "  M3KIT_DUMP_DIR       write every compiled source, its options and NVRTC log here\n"
+          "  M3KIT_VERBOSE=1      progress and cache messages\n");
+}
 
 int main(int argc, char **argv) {
-  if (argc < 2 || !strcmp(argv[1], "--help")) {
-    printf("usage: m3kit <gen|tune|run|bench> [options]\n");
-    return argc < 2 ? 2 : 0;
+  if (argc < 2) {
+    usage(stderr);
+    return 2;
   }
+  if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+    usage(stdout);
+    return 0;
+  }
+  if (!strcmp(argv[1], "--version")) {
+    printf("m3kit %s\n", M3KIT_VERSION);
+    return 0;
+  }
+  for (size_t i = 0; i < sizeof commands / sizeof *commands; i++)
+    if (!strcmp(argv[1], commands[i].name)) return commands[i].fn(argc - 1, argv + 1);
+  fprintf(stderr, "m3kit: unknown command '%s'\n\n", argv[1]);
+  usage(stderr);
   return 2;
 }

@@ -1,0 +1,35 @@
+/* cuda_driver.h - the CUDA driver API, loaded at run time.
+ *
+ * m3kit does not link libcuda: the same binary must run on a machine with no
+ * driver (offline rendering and compiling, tests that skip) and on the GPU
+ * machine.  m3_driver_load() dlopen()s libcuda.so.1 once and fills m3_drv with
+ * the entry points below; without a driver it fails and every GPU path reports
+ * M3_NOGPU.  Versioned names (cuDeviceTotalMem -> cuDeviceTotalMem_v2) follow
+ * cuda.h's own macros, so m3_drv.cuX(...) calls the symbol cuda.h means.
+ */
+#ifndef M3_CUDA_DRIVER_H
+#define M3_CUDA_DRIVER_H
+
+#include <cuda.h>
+
+#define M3_DRIVER_FUNCS(X)                                                     \
+  X(cuInit) X(cuDriverGetVersion) X(cuDeviceGet) X(cuDeviceGetCount)           \
+  X(cuDeviceGetName) X(cuDeviceGetAttribute) X(cuDeviceTotalMem)               \
+  X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuCtxSetCurrent)  \
+  X(cuCtxGetCurrent) X(cuModuleLoadData) X(cuModuleUnload) X(cuModuleGetFunction) \
+  X(cuFuncSetAttribute) X(cuFuncGetAttribute) X(cuLaunchKernel)                \
+  X(cuGetErrorName) X(cuGetErrorString)
+
+typedef struct m3_driver {
+#define M3_X_FIELD(f) __typeof__(&f) f;
+  M3_DRIVER_FUNCS(M3_X_FIELD)
+#undef M3_X_FIELD
+} m3_driver;
+
+extern m3_driver m3_drv;
+
+/* 1 when libcuda.so.1 was found and every entry point resolved (idempotent,
+ * thread-safe). */
+int m3_driver_load(void);
+
+#endif

@@ -1,0 +1,121 @@
+/* gpu.c - device, module load, launch, and the check-macro failure paths. */
+#include "runtime/gpu.h"
+
+#include <cuda_runtime_api.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "runtime/check.h"
+#include "runtime/cuda_driver.h"
+
+m3_status m3_cu_fail(m3_err *e, CUresult r, const char *call, const char *file, int line) {
+  const char *name = NULL, *str = NULL;
+  if (m3_driver_load()) {
+    m3_drv.cuGetErrorName(r, &name);
+    m3_drv.cuGetErrorString(r, &str);
+  }
+  return m3_errf(e, M3_CUDA, "%s:%d: %s failed: %s (%s)", file, line, call, name ? name : "?",
+                 str ? str : "?");
+}
+
+m3_status m3_cuda_fail(m3_err *e, cudaError_t r, const char *call, const char *file, int line) {
+  return m3_errf(e, M3_CUDA, "%s:%d: %s failed: %s (%s)", file, line, call, cudaGetErrorName(r),
+                 cudaGetErrorString(r));
+}
+
+m3_status m3_cublas_fail(m3_err *e, cublasStatus_t r, const char *call, const char *file, int line) {
+  return m3_errf(e, M3_CUBLAS, "%s:%d: %s failed: %s", file, line, call, cublasGetStatusString(r));
+}
+
+int m3_gpu_count(void) {
+  if (!m3_driver_load()) return 0;
+  if (m3_drv.cuInit(0) != CUDA_SUCCESS) return 0;
+  int n = 0;
+  if (m3_drv.cuDeviceGetCount(&n) != CUDA_SUCCESS) return 0;
+  return n;
+}
+
+int m3_driver_version(void) {
+  int v = 0;
+  if (!m3_driver_load()) return 0;
+  if (m3_drv.cuDriverGetVersion(&v) != CUDA_SUCCESS) return 0;
+  /* The stub library answers without a driver; only trust it with a device. */
+  return m3_gpu_count() > 0 ? v : 0;
+}
+
+m3_status m3_device_open(int ordinal, m3_device *d, m3_err *e) {
+  memset(d, 0, sizeof *d);
+  int n = m3_gpu_count();
+  if (n == 0) return m3_errf(e, M3_NOGPU, "no CUDA GPU (cuInit/cuDeviceGetCount found none)");
+  if (ordinal < 0 || ordinal >= n) return m3_errf(e, M3_INVAL, "GPU %d requested, %d present", ordinal, n);
+  d->ordinal = ordinal;
+  M3_CU(e, m3_drv.cuDeviceGet(&d->dev, ordinal));
+  M3_CU(e, m3_drv.cuDevicePrimaryCtxRetain(&d->ctx, d->dev));
+  M3_CU(e, m3_drv.cuCtxSetCurrent(d->ctx));
+  M3_CUDA(e, cudaSetDevice(ordinal));
+  M3_CU(e, m3_drv.cuDeviceGetName(d->name, sizeof d->name, d->dev));
+  M3_CU(e, m3_drv.cuDeviceGetAttribute(&d->cc_major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, d->dev));
+  M3_CU(e, m3_drv.cuDeviceGetAttribute(&d->cc_minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, d->dev));
+  M3_CU(e, m3_drv.cuDeviceGetAttribute(&d->sm_count, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, d->dev));
+  M3_CU(e, m3_drv.cuDeviceGetAttribute(&d->l2_bytes, CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, d->dev));
+  M3_CU(e, m3_drv.cuDeviceGetAttribute(&d->smem_optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, d->dev));
+  M3_CU(e, m3_drv.cuDeviceTotalMem(&d->total_mem, d->dev));
+  M3_CU(e, m3_drv.cuDriverGetVersion(&d->driver_version));
+  snprintf(d->arch, sizeof d->arch, "sm_%d%d", d->cc_major, d->cc_minor);
+  return M3_OK;
+}
+
+void m3_device_close(m3_device *d) {
+  if (d && d->ctx) {
+    m3_drv.cuDevicePrimaryCtxRelease(d->dev);
+    d->ctx = NULL;
+  }
+}
+
+m3_status m3_module_load(const uint8_t *cubin, size_t size, const m3_cubin_meta *meta, m3_module *out,
+                         m3_err *e) {
+  (void)size;
+  memset(out, 0, sizeof *out);
+  CUresult r = m3_drv.cuModuleLoadData(&out->mod, cubin);
+  if (r != CUDA_SUCCESS) {
+    m3_cu_fail(e, r, "cuModuleLoadData", __FILE__, __LINE__);
+    return m3_err_prefix(e, "loading %s: ", meta->entry);
+  }
+  r = m3_drv.cuModuleGetFunction(&out->fn, out->mod, meta->entry);
+  if (r != CUDA_SUCCESS) {
+    m3_drv.cuModuleUnload(out->mod);
+    m3_cu_fail(e, r, "cuModuleGetFunction", __FILE__, __LINE__);
+    return m3_err_prefix(e, "entry %s: ", meta->entry);
+  }
+  if (meta->smem > 48 * 1024) {
+    r = m3_drv.cuFuncSetAttribute(out->fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, meta->smem);
+    if (r != CUDA_SUCCESS) {
+      m3_drv.cuModuleUnload(out->mod);
+      m3_cu_fail(e, r, "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", __FILE__, __LINE__);
+      return m3_err_prefix(e, "%s wants %d bytes of shared memory: ", meta->entry, meta->smem);
+    }
+  }
+  out->threads = meta->threads;
+  out->smem = meta->smem;
+  snprintf(out->entry, sizeof out->entry, "%s", meta->entry);
+  return M3_OK;
+}
+
+void m3_module_unload(m3_module *m) {
+  if (m && m->mod) {
+    m3_drv.cuModuleUnload(m->mod);
+    m->mod = NULL;
+  }
+}
+
+m3_status m3_launch(const m3_module *m, unsigned gx, unsigned gy, unsigned gz, CUstream stream,
+                    void **args, m3_err *e) {
+  if (gx == 0 || gy == 0 || gz == 0) return M3_OK; /* empty problem */
+  CUresult r = m3_drv.cuLaunchKernel(m->fn, gx, gy, gz, (unsigned)m->threads, 1, 1, (unsigned)m->smem, stream,
+                              args, NULL);
+  if (r != CUDA_SUCCESS) {
+    m3_cu_fail(e, r, "cuLaunchKernel", __FILE__, __LINE__);
+    return m3_err_prefix(e, "%s grid (%u,%u,%u) block %d smem %d: ", m->entry, gx, gy, gz, m->threads, m->smem);
+  }
+  return M3_OK;
+}

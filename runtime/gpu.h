@@ -1,0 +1,61 @@
+/* gpu.h - the device, modules and launches (CUDA driver API).
+ *
+ * The runtime API (cudart, linked statically) and the driver API share the
+ * device's primary context: m3_device_open retains it and makes it current, so
+ * cudaMalloc'd buffers, cuBLAS and cuModuleLoadData'd kernels all meet there.
+ */
+#ifndef M3_GPU_H
+#define M3_GPU_H
+
+#include <cuda.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cache/cubin_cache.h"
+#include "runtime/status.h"
+
+typedef struct m3_device {
+  int ordinal;
+  CUdevice dev;
+  CUcontext ctx;
+  char name[256];
+  int cc_major, cc_minor;
+  int sm_count;
+  int l2_bytes;
+  size_t total_mem;
+  int smem_optin;        /* max dynamic shared memory per block after opt-in, bytes */
+  int driver_version;    /* cuDriverGetVersion, e.g. 13000 */
+  char arch[16];         /* "sm_90" */
+} m3_device;
+
+/* Number of usable CUDA GPUs; 0 when there is no driver or no device (never an
+ * error: GPU tests use it to exit 77). */
+int m3_gpu_count(void);
+
+/* Driver version (cuDriverGetVersion) or 0 without a driver. */
+int m3_driver_version(void);
+
+/* Open device `ordinal` (primary context, made current for this thread).
+ * Errors: M3_NOGPU, M3_CUDA. */
+m3_status m3_device_open(int ordinal, m3_device *d, m3_err *e);
+void m3_device_close(m3_device *d);
+
+typedef struct m3_module {
+  CUmodule mod;
+  CUfunction fn;
+  int threads, smem;
+  char entry[96];
+} m3_module;
+
+/* Load a cubin and resolve its entry; raises the dynamic shared-memory limit
+ * when meta->smem > 48 KiB.  Errors: M3_CUDA (e.g. an image for another arch). */
+m3_status m3_module_load(const uint8_t *cubin, size_t size, const m3_cubin_meta *meta, m3_module *out,
+                         m3_err *e);
+void m3_module_unload(m3_module *m);
+
+/* Launch with the module's block size and dynamic smem.  Checks the launch
+ * result (not the kernel's completion).  Errors: M3_CUDA. */
+m3_status m3_launch(const m3_module *m, unsigned gx, unsigned gy, unsigned gz, CUstream stream,
+                    void **args, m3_err *e);
+
+#endif

@@ -1,0 +1,66 @@
+/* log.c - warning/progress sink (see log.h). */
+#include "runtime/log.h"
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <xxhash.h>
+
+static m3_log_fn sink;
+static void *sink_user;
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static unsigned long long seen[256];
+static int n_seen;
+
+void m3_log_set(m3_log_fn fn, void *user) {
+  sink = fn;
+  sink_user = user;
+}
+
+int m3_log_verbose(void) {
+  const char *v = getenv("M3KIT_VERBOSE");
+  return v && *v && strcmp(v, "0");
+}
+
+static void emit(int level, const char *msg) {
+  if (sink) sink(level, msg, sink_user);
+  else if (level >= M3_LOG_WARN || m3_log_verbose()) fprintf(stderr, "m3kit: %s%s\n", level ? "warning: " : "", msg);
+}
+
+void m3_info(const char *fmt, ...) {
+  char buf[4096];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  emit(M3_LOG_INFO, buf);
+}
+
+void m3_warn(const char *fmt, ...) {
+  char buf[4096];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  emit(M3_LOG_WARN, buf);
+}
+
+void m3_warn_once(const char *fmt, ...) {
+  char buf[4096];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  unsigned long long h = XXH3_64bits(buf, strlen(buf));
+  pthread_mutex_lock(&mu);
+  for (int i = 0; i < n_seen; i++)
+    if (seen[i] == h) {
+      pthread_mutex_unlock(&mu);
+      return;
+    }
+  if (n_seen < 256) seen[n_seen++] = h;
+  pthread_mutex_unlock(&mu);
+  emit(M3_LOG_WARN, buf);
+}

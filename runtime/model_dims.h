@@ -1,0 +1,15 @@
+/* model_dims.h - the model dimensions handed to templates' variants(cfg):
+ * the bridge between a config (runtime/config.h) and gen/, which knows no
+ * config.  Fields: nq nkv niq hd rot bs topk init local hidden vocab experts
+ * topk_experts inter dense_inter shared_inter has_dense has_sparse has_moe
+ * has_dense_mlp. */
+#ifndef M3_MODEL_DIMS_H
+#define M3_MODEL_DIMS_H
+
+#include "gen/render.h"
+
+/* dims of a preset (model == NULL) or of DIR/config.json.  Errors: those of
+ * the config loader (M3_CONFIG naming file and field, M3_NOTFOUND). */
+m3_status m3_model_dims_for(const char *preset, const char *model_dir, m3_dims *d, m3_err *e);
+
+#endif

@@ -1,0 +1,233 @@
+-- templates/qknorm_rope.lua - fused per-head Gemma RMSNorm + partial NeoX RoPE,
+-- optionally scattering K/V into the paged KV cache and index-K into the index
+-- cache (spec §3.3, §3.4, §4).  One warp per (token, head slot), each lane owns
+-- hd/32 = 4 contiguous dims; all math in fp32, one rounding at each store.
+local P = m3.include("lib/prelude")
+
+local T = {}
+T.name = "qknorm_rope"
+T.axes = {
+  {"attn", {"dense", "sparse"}},
+  {"insert", {0, 1}},
+  {"kv", {"bf16", "e4m3"}},     -- main KV cache dtype (identity scale)
+  {"idxk", {"bf16", "e4m3"}},   -- index_q output and index-K cache dtype
+  {"nq", "int"}, {"nkv", "int"}, {"niq", "int"},
+  {"hd", "int"}, {"rot", "int"}, {"bs", "int"},
+}
+T.tiles = {
+  {"warps", {2, 4, 8, 16}},     -- warps (head slots) per CTA
+  {"hpw", {1, 2, 4}},           -- head slots per warp (more loads in flight)
+}
+
+local function slots(k)
+  local n = k.nq + k.nkv
+  if k.insert == 1 then n = n + k.nkv end
+  if k.attn == "sparse" then n = n + k.niq + 1 end
+  return n
+end
+
+function T.valid(k, t, arch)
+  if m3.sm(arch) < 80 then return false, "needs sm_80+ (bf16 cvt)" end
+  if k.hd ~= 128 then return false, "head_dim must be 128 (4 dims per lane of one warp)" end
+  if k.rot < 8 or k.rot > k.hd or k.rot % 8 ~= 0 then
+    return false, "rotary_dim must be a multiple of 8 in [8, head_dim]"
+  end
+  if k.nq < 1 or k.nkv < 1 or k.nq % k.nkv ~= 0 then return false, "nkv must divide nq" end
+  if k.attn == "dense" and k.niq ~= 0 then return false, "dense layers have no index heads: niq must be 0" end
+  if k.attn == "dense" and k.idxk ~= "bf16" then return false, "dense layers have no index side: idxk must be bf16" end
+  if k.attn == "sparse" and k.niq < 1 then return false, "sparse layers need niq >= 1" end
+  if k.insert == 0 and k.kv ~= "bf16" then return false, "kv dtype matters only with insert=1: use kv=bf16" end
+  if k.bs < 1 then return false, "block size must be positive" end
+  if t.warps * t.hpw > slots(k) * 64 then return false, "CTA covers more head slots than 64 tokens hold" end
+  return true
+end
+
+function T.default_tile(k, arch) return {warps = 4, hpw = 1} end
+
+function T.variants(c)
+  local out = {}
+  local function add(attn, insert, kv, idxk)
+    out[#out + 1] = {attn = attn, insert = insert, kv = kv, idxk = idxk, nq = c.nq, nkv = c.nkv,
+                     niq = attn == "sparse" and c.niq or 0, hd = c.hd, rot = c.rot, bs = c.bs}
+  end
+  if c.has_dense ~= 0 then
+    add("dense", 0, "bf16", "bf16")
+    for _, kv in ipairs({"bf16", "e4m3"}) do add("dense", 1, kv, "bf16") end
+  end
+  if c.has_sparse ~= 0 then
+    for _, ix in ipairs({"bf16", "e4m3"}) do
+      add("sparse", 0, "bf16", ix)
+      for _, kv in ipairs({"bf16", "e4m3"}) do add("sparse", 1, kv, ix) end
+    end
+  end
+  return out
+end
+
+local body = [[
+#define NQ $nq
+#define NKV $nkv
+#define NIQ $niq
+#define HD 128
+#define ROT $rot
+#define BS $bs
+#define SPARSE $sparse
+#define INSERT $insert
+#define KV_E4M3 $kv_e4m3
+#define IDX_E4M3 $idx_e4m3
+#define WARPS $warps
+#define HPW $hpw
+#define ROW ((NQ + 2 * NKV + (SPARSE ? NIQ + 1 : 0)) * HD)
+#define SLOTS (NQ + NKV + (INSERT ? NKV : 0) + (SPARSE ? NIQ + 1 : 0))
+
+struct f4 { float v[4]; };
+
+M3_DEV f4 load4(const bf16_t *p) {
+  uint2 u = *(const uint2 *)p;
+  f4 r;
+  r.v[0] = bf16_to_f32((bf16_t)(u.x & 0xffff)); r.v[1] = bf16_to_f32((bf16_t)(u.x >> 16));
+  r.v[2] = bf16_to_f32((bf16_t)(u.y & 0xffff)); r.v[3] = bf16_to_f32((bf16_t)(u.y >> 16));
+  return r;
+}
+M3_DEV void store4_bf16(bf16_t *p, const f4 &x) {
+  uint2 u;
+  u.x = (unsigned)f32_to_bf16(x.v[0]) | ((unsigned)f32_to_bf16(x.v[1]) << 16);
+  u.y = (unsigned)f32_to_bf16(x.v[2]) | ((unsigned)f32_to_bf16(x.v[3]) << 16);
+  *(uint2 *)p = u;
+}
+M3_DEV void store4_e4m3(e4m3_t *p, const f4 &x) {
+  unsigned u = (unsigned)f32_to_e4m3(x.v[0]) | ((unsigned)f32_to_e4m3(x.v[1]) << 8) |
+               ((unsigned)f32_to_e4m3(x.v[2]) << 16) | ((unsigned)f32_to_e4m3(x.v[3]) << 24);
+  *(unsigned *)p = u;
+}
+M3_DEV f4 round4_bf16(f4 x) {
+  for (int i = 0; i < 4; i++) x.v[i] = bf16_to_f32(f32_to_bf16(x.v[i]));
+  return x;
+}
+
+/* Gemma RMSNorm over the warp's 128-vector, then NeoX rotation of dims
+ * [0, ROT): dim m pairs with m + ROT/2, so lane l's partner is l +- ROT/8. */
+M3_DEV f4 norm_rope(f4 x, const bf16_t *w, const bf16_t *cs, float eps, int lane) {
+  float ss = x.v[0] * x.v[0] + x.v[1] * x.v[1] + x.v[2] * x.v[2] + x.v[3] * x.v[3];
+  ss = warp_sum(ss);
+  float r = rsqrtf(ss * (1.0f / HD) + eps);
+  f4 wv = load4(w + lane * 4);
+  for (int i = 0; i < 4; i++) x.v[i] = x.v[i] * r * (1.0f + wv.v[i]);
+  const int half_lanes = ROT / 8;
+  int first = lane < half_lanes;
+  int partner = first ? lane + half_lanes : lane - half_lanes;
+  f4 o;
+  for (int i = 0; i < 4; i++) o.v[i] = __shfl_sync(0xffffffffu, x.v[i], partner < 32 ? partner : lane);
+  if (lane < 2 * half_lanes) {
+    int m = first ? lane * 4 : lane * 4 - ROT / 2;
+    f4 c = load4(cs + m), s = load4(cs + ROT / 2 + m);
+    for (int i = 0; i < 4; i++)
+      x.v[i] = first ? x.v[i] * c.v[i] - o.v[i] * s.v[i] : x.v[i] * c.v[i] + o.v[i] * s.v[i];
+  }
+  return x;
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+$sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
+     const bf16_t *__restrict__ q_w, const bf16_t *__restrict__ k_w,
+     const bf16_t *__restrict__ iq_w, const bf16_t *__restrict__ ik_w, /* [HD] */
+     const bf16_t *__restrict__ cos_sin,       /* [max_pos, ROT] */
+     const i64 *__restrict__ positions,        /* [N] */
+     const i64 *__restrict__ slot_mapping,     /* [N] (insert) */
+     const i64 *__restrict__ index_slot_mapping, /* [N] (sparse insert) */
+     void *__restrict__ kv_cache,              /* [blocks, NKV, BS, 2*HD] */
+     void *__restrict__ index_cache,           /* [blocks*BS, HD] */
+     bf16_t *__restrict__ q_out,               /* [N, NQ*HD] or NULL */
+     void *__restrict__ index_q_out,           /* [N, NIQ*HD] or NULL */
+     int n_tokens, i64 max_pos, float eps) {
+  const int lane = threadIdx.x & 31;
+  const i64 warp = (i64)blockIdx.x * WARPS + (threadIdx.x >> 5);
+#pragma unroll
+  for (int h = 0; h < HPW; h++) {
+    const i64 item = warp * HPW + h;
+    if (item >= (i64)n_tokens * SLOTS) return;
+    const i64 t = item / SLOTS;
+    int s = (int)(item - t * SLOTS);
+    /* Padding rows (slot < 0) and positions outside the RoPE table are skipped
+     * before anything else is read for them (known-faults #5, #24). */
+    i64 slot = -1;
+    if (INSERT) {
+      slot = slot_mapping[t];
+      if (slot < 0) continue;
+    }
+    const i64 pos = positions[t];
+    if (pos < 0 || pos >= max_pos) continue;
+    const bf16_t *cs = cos_sin + pos * ROT;
+    bf16_t *row = qkv + t * (i64)ROW;
+    const i64 page = slot / BS, off = slot % BS;
+    if (s < NQ) {                                   /* Q head */
+      f4 x = norm_rope(load4(row + s * HD + lane * 4), q_w, cs, eps, lane);
+      store4_bf16(q_out ? q_out + t * (i64)(NQ * HD) + s * HD + lane * 4 : row + s * HD + lane * 4, x);
+      continue;
+    }
+    s -= NQ;
+    if (s < NKV) {                                  /* K head */
+      bf16_t *src = row + (NQ + s) * HD + lane * 4;
+      f4 x = norm_rope(load4(src), k_w, cs, eps, lane);
+      store4_bf16(src, x);
+      if (INSERT) {
+        i64 at = ((page * NKV + s) * BS + off) * (2 * HD) + lane * 4;
+        if (KV_E4M3) store4_e4m3((e4m3_t *)kv_cache + at, SPARSE ? x : round4_bf16(x));
+        else store4_bf16((bf16_t *)kv_cache + at, x);
+      }
+      continue;
+    }
+    s -= NKV;
+    if (INSERT && s < NKV) {                        /* V head: copied as is */
+      f4 x = load4(row + (NQ + NKV + s) * HD + lane * 4);
+      i64 at = ((page * NKV + s) * BS + off) * (2 * HD) + HD + lane * 4;
+      if (KV_E4M3) store4_e4m3((e4m3_t *)kv_cache + at, x);
+      else store4_bf16((bf16_t *)kv_cache + at, x);
+      continue;
+    }
+    if (INSERT) s -= NKV;
+#if SPARSE
+    if (s < NIQ) {                                  /* index-Q head */
+      bf16_t *src = row + (NQ + 2 * NKV + s) * HD + lane * 4;
+      f4 x = norm_rope(load4(src), iq_w, cs, eps, lane);
+      if (index_q_out) {
+        i64 at = t * (i64)(NIQ * HD) + s * HD + lane * 4;
+        if (IDX_E4M3) store4_e4m3((e4m3_t *)index_q_out + at, x);
+        else store4_bf16((bf16_t *)index_q_out + at, x);
+      } else {
+        store4_bf16(src, x);
+      }
+      continue;
+    }
+    {                                               /* the single index-K head */
+      bf16_t *src = row + (NQ + 2 * NKV + NIQ) * HD + lane * 4;
+      f4 x = norm_rope(load4(src), ik_w, cs, eps, lane);
+      store4_bf16(src, x);
+      if (INSERT) {
+        i64 islot = index_slot_mapping ? index_slot_mapping[t] : slot;
+        if (islot >= 0) {
+          i64 at = islot * HD + lane * 4;
+          if (IDX_E4M3) store4_e4m3((e4m3_t *)index_cache + at, x);
+          else store4_bf16((bf16_t *)index_cache + at, x);
+        }
+      }
+    }
+#endif
+  }
+}
+]]
+
+function T.render(k, t, arch, sym)
+  local v = {
+    nq = k.nq, nkv = k.nkv, niq = k.niq, rot = k.rot, bs = k.bs,
+    sparse = k.attn == "sparse" and 1 or 0, insert = k.insert,
+    kv_e4m3 = k.kv == "e4m3" and 1 or 0, idx_e4m3 = k.idxk == "e4m3" and 1 or 0,
+    warps = t.warps, hpw = t.hpw, sym = sym,
+  }
+  local src = body:gsub("%$([%w_]+)", function(n)
+    if v[n] == nil then error("qknorm_rope: no value for $" .. n) end
+    return tostring(v[n])
+  end)
+  return {source = P.all(arch) .. src, threads = t.warps * 32, smem = 0}
+end
+
+return T

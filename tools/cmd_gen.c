@@ -1,0 +1,212 @@
+/* cmd_gen.c - `m3kit gen`: list the variants a config needs, print a variant's
+ * source, compile for a named arch and report cubin size, registers and spills,
+ * list a variant's tiles with the valid() verdicts.  Needs no GPU. */
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "gen/render.h"
+#include "runtime/jit.h"
+#include "runtime/log.h"
+#include "runtime/model_dims.h"
+#include "runtime/nvrtc.h"
+#include "tools/cli.h"
+
+static void help(void) {
+  printf(
+      "usage: m3kit gen [options]\n\n"
+      "  --list                 list every variant key the model needs (default action)\n"
+      "  --templates            list the embedded templates with their axes and tile spaces\n"
+      "  --emit KEY             print the generated CUDA source of KEY (default tile unless KEY has one)\n"
+      "  --compile KEY          compile KEY and report cubin size, registers, spills\n"
+      "  --tiles KEY            list every tile of KEY with its valid() verdict and reason\n"
+      "  --all                  render and compile every needed variant (default tiles) for --arch,\n"
+      "                         through the cubin cache; with --every-tile, every valid tile too\n"
+      "  --arch LIST            SM archs, comma separated (default sm_90), e.g. sm_80,sm_90a,sm_120\n"
+      "  --preset NAME          model config preset (default minimax-m3); --model DIR reads DIR/config.json\n"
+      "  --help\n\n"
+      "KEY is a variant key, e.g. 'qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=e4m3,nq=64,nkv=4,niq=4,hd=128,rot=64,bs=128)'\n"
+      "optionally followed by a tile '[warps=4,hpw=1]' and an arch '@sm_90'.\n");
+}
+
+static double now_s(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + t.tv_nsec / 1e9;
+}
+
+/* Registers/spills from a verbose ptxas pass (not cached: options differ). */
+static void inspect(const m3_source *src, const char *arch) {
+  uint8_t *cubin;
+  size_t size;
+  char *log = NULL;
+  m3_err e;
+  if (m3_nvrtc_compile(src->text, src->entry, arch, "--ptxas-options=-v", &cubin, &size, &log, &e) == M3_OK) {
+    free(cubin);
+    if (log) {
+      for (char *l = strtok(log, "\n"); l; l = strtok(NULL, "\n"))
+        if (strstr(l, "registers") || strstr(l, "spill") || strstr(l, "stack")) printf("    ptxas: %s\n", l);
+    }
+  }
+  free(log);
+}
+
+static int prepare(m3_jit *j, const char *text, const char *arch, m3_variant *v, m3_err *e, int want_tile) {
+  m3_status s = m3_render_parse_key(j->lua, text, v, e);
+  if (s != M3_OK) return cli_fail("gen", s, e);
+  if (!v->arch[0]) snprintf(v->arch, sizeof v->arch, "%s", arch);
+  if (want_tile && !v->n_tile && (s = m3_render_default_tile(j->lua, v, e)) != M3_OK) return cli_fail("gen", s, e);
+  return 0;
+}
+
+int cmd_gen(int argc, char **argv) {
+  static const struct option opts[] = {
+      {"list", no_argument, 0, 'l'},        {"templates", no_argument, 0, 'T'},
+      {"emit", required_argument, 0, 'e'},  {"compile", required_argument, 0, 'c'},
+      {"tiles", required_argument, 0, 't'}, {"all", no_argument, 0, 'a'},
+      {"every-tile", no_argument, 0, 'E'},  {"arch", required_argument, 0, 'A'},
+      {"preset", required_argument, 0, 'p'},{"model", required_argument, 0, 'm'},
+      {"help", no_argument, 0, 'h'},        {0, 0, 0, 0}};
+  int action = 'l', every = 0, c;
+  const char *key = NULL, *archs = "sm_90", *preset = "minimax-m3", *model = NULL;
+  optind = 1;
+  while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+    switch (c) {
+      case 'l': case 'T': case 'a': action = c; break;
+      case 'e': case 'c': case 't': action = c; key = optarg; break;
+      case 'E': every = 1; break;
+      case 'A': archs = optarg; break;
+      case 'p': preset = optarg; break;
+      case 'm': model = optarg; break;
+      case 'h': help(); return 0;
+      default: help(); return 2;
+    }
+  }
+  m3_err e = {0};
+  m3_jit j;
+  m3_status s = m3_jit_open(&j, &e);
+  if (s != M3_OK) return cli_fail("gen", s, &e);
+  char arch[16];
+  snprintf(arch, sizeof arch, "%.*s", (int)strcspn(archs, ","), archs);
+  int rc = 0;
+
+  if (action == 'T') {
+    for (const char *const *t = m3_lua_template_names(); *t; t++) {
+      m3_schema sc;
+      if ((s = m3_render_schema(j.lua, *t, &sc, &e)) != M3_OK) { rc = cli_fail("gen", s, &e); break; }
+      printf("%s  (template hash %016llx)\n  axes:", *t, (unsigned long long)sc.hash);
+      for (int i = 0; i < sc.n_axes; i++) {
+        printf(" %s=", sc.axes[i].name);
+        if (sc.axes[i].is_int) printf("<int>");
+        for (int k = 0; k < sc.axes[i].n_values; k++) printf("%s%s", k ? "|" : "", sc.axes[i].values[k]);
+      }
+      printf("\n  tiles:");
+      for (int i = 0; i < sc.n_tiles; i++) {
+        printf(" %s=", sc.tiles[i].name);
+        for (int k = 0; k < sc.tiles[i].n_values; k++) printf("%s%s", k ? "|" : "", sc.tiles[i].values[k]);
+      }
+      printf("\n");
+    }
+  } else if (action == 'e' || action == 'c') {
+    m3_variant v;
+    if ((rc = prepare(&j, key, arch, &v, &e, 1)) == 0) {
+      m3_source src;
+      if ((s = m3_render_source(j.lua, &v, &src, &e)) != M3_OK) rc = cli_fail("gen", s, &e);
+      else if (action == 'e') fputs(src.text, stdout);
+      else {
+        double t0 = now_s();
+        m3_cubin cb;
+        if ((s = m3_jit_build(&j, &v, &cb, &e)) != M3_OK) rc = cli_fail("gen", s, &e);
+        else {
+          char k[M3_KEY_MAX];
+          m3_variant_print(&v, k, sizeof k);
+          printf("%s\n  entry %s, %d threads, %d B dynamic smem, cubin %zu bytes (%s, %.2f s)\n", k,
+                 cb.meta.entry, cb.meta.threads, cb.meta.smem, cb.size, cb.hit ? "cache hit" : "compiled",
+                 now_s() - t0);
+          inspect(&src, v.arch);
+          m3_cubin_free(&cb);
+        }
+      }
+      m3_source_free(&src);
+    }
+  } else if (action == 't') {
+    m3_variant v, *tiles = NULL;
+    int n = 0;
+    if ((rc = prepare(&j, key, arch, &v, &e, 0)) == 0) {
+      if ((s = m3_render_tiles(j.lua, &v, &tiles, &n, &e)) != M3_OK) rc = cli_fail("gen", s, &e);
+      for (int i = 0; i < n; i++) {
+        char t[512], why[512];
+        m3_variant_print_tile(&tiles[i], t, sizeof t);
+        m3_err ve;
+        s = m3_render_valid(j.lua, &tiles[i], why, sizeof why, &ve);
+        printf("  [%s]  %s%s%s\n", t, s == M3_OK ? "VALID" : "INVALID", s == M3_OK ? "" : ": ", s == M3_OK ? "" : why);
+      }
+      free(tiles);
+    }
+  } else { /* --list / --all */
+    m3_dims d;
+    if ((s = m3_model_dims_for(preset, model, &d, &e)) != M3_OK) {
+      rc = cli_fail("gen", s, &e);
+      goto out;
+    }
+    int total = 0, compiled = 0, hits = 0, invalid = 0;
+    double t0 = now_s();
+    const char *ap = archs;
+    while (*ap) {
+      snprintf(arch, sizeof arch, "%.*s", (int)strcspn(ap, ","), ap);
+      ap += strcspn(ap, ",");
+      if (*ap == ',') ap++;
+      for (const char *const *t = m3_lua_template_names(); *t && rc == 0; t++) {
+        m3_variant *vs = NULL;
+        int n = 0;
+        if ((s = m3_render_variants(j.lua, *t, &d, &vs, &n, &e)) != M3_OK) { rc = cli_fail("gen", s, &e); break; }
+        for (int i = 0; i < n && rc == 0; i++) {
+          char k[M3_KEY_MAX];
+          snprintf(vs[i].arch, sizeof vs[i].arch, "%s", arch);
+          m3_variant_print_axes(&vs[i], k, sizeof k);
+          if (action == 'l') {
+            printf("%s\n", k);
+            total++;
+            continue;
+          }
+          m3_variant *tl = NULL;
+          int nt = 0;
+          if (every) {
+            if ((s = m3_render_tiles(j.lua, &vs[i], &tl, &nt, &e)) != M3_OK) { rc = cli_fail("gen", s, &e); break; }
+          } else {
+            tl = malloc(sizeof *tl);
+            tl[0] = vs[i];
+            nt = 1;
+            if ((s = m3_render_default_tile(j.lua, &tl[0], &e)) != M3_OK) { free(tl); rc = cli_fail("gen", s, &e); break; }
+          }
+          for (int q = 0; q < nt && rc == 0; q++) {
+            m3_err ve;
+            if (m3_render_valid(j.lua, &tl[q], NULL, 0, &ve) != M3_OK) { invalid++; continue; }
+            m3_cubin cb;
+            if ((s = m3_jit_build(&j, &tl[q], &cb, &e)) != M3_OK) { rc = cli_fail("gen", s, &e); break; }
+            total++;
+            cb.hit ? hits++ : compiled++;
+            if (m3_log_verbose() || !every) {
+              char full[M3_KEY_MAX];
+              m3_variant_print(&tl[q], full, sizeof full);
+              printf("  ok  %-7s %6zu B  %s\n", cb.hit ? "cached" : "built", cb.size, full);
+            }
+            m3_cubin_free(&cb);
+          }
+          free(tl);
+        }
+        free(vs);
+      }
+    }
+    if (rc) ;
+    else if (action == 'l') printf("%d variants\n", total);
+    else
+      printf("%d kernels for %s: %d compiled, %d from the cubin cache, %d tiles rejected by valid(); %.1f s\n",
+             total, archs, compiled, hits, invalid, now_s() - t0);
+  }
+out:
+  m3_jit_close(&j);
+  return rc;
+}
