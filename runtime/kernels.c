@@ -1,0 +1,122 @@
+/* kernels.c - kernel memo, tuning lookup and default-tile fallback (see
+ * kernels.h). */
+#include "runtime/kernels.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "runtime/check.h"
+#include "runtime/log.h"
+#include "runtime/tuning_lookup.h"
+
+void m3_bucket_set(m3_bucket *b, const char *name, long value) {
+  for (int i = 0; i < b->n; i++)
+    if (!strcmp(b->d[i].name, name)) {
+      b->d[i].value = value;
+      return;
+    }
+  if (b->n < 4) {
+    snprintf(b->d[b->n].name, sizeof b->d[b->n].name, "%s", name);
+    b->d[b->n].value = value;
+    b->n++;
+  }
+}
+
+m3_status m3_rt_open(m3_rt *rt, int ordinal, m3_err *e) {
+  memset(rt, 0, sizeof *rt);
+  M3_TRY(m3_device_open(ordinal, &rt->dev, e));
+  M3_TRY(m3_jit_open(&rt->jit, e));
+  M3_CUDA(e, cudaStreamCreateWithFlags(&rt->stream, cudaStreamNonBlocking));
+  rt->db = m3_tuning_open(rt->jit.cache_root, &rt->dev, rt->jit.lua);
+  return M3_OK;
+}
+
+void m3_rt_close(m3_rt *rt) {
+  for (int i = 0; i < rt->n_kernels; i++) {
+    m3_module_unload(&rt->kernels[i]->mod);
+    free(rt->kernels[i]);
+  }
+  free(rt->kernels);
+  rt->kernels = NULL;
+  rt->n_kernels = 0;
+  m3_tuning_close(rt->db);
+  rt->db = NULL;
+  if (rt->stream) cudaStreamDestroy(rt->stream);
+  rt->stream = NULL;
+  m3_jit_close(&rt->jit);
+  m3_device_close(&rt->dev);
+}
+
+static m3_kernel *memo_find(m3_rt *rt, const m3_variant *v) {
+  char a[M3_KEY_MAX], b[M3_KEY_MAX];
+  m3_variant_print(v, a, sizeof a);
+  for (int i = 0; i < rt->n_kernels; i++) {
+    m3_variant_print(&rt->kernels[i]->key, b, sizeof b);
+    if (!strcmp(a, b)) return rt->kernels[i];
+  }
+  return NULL;
+}
+
+m3_status m3_rt_kernel(m3_rt *rt, const m3_variant *key, const m3_bucket *bucket, m3_kernel **k,
+                       m3_err *e) {
+  m3_variant v = *key;
+  M3_TRY(m3_render_canon(rt->jit.lua, &v, e));
+  if (!v.arch[0]) snprintf(v.arch, sizeof v.arch, "%s", rt->dev.arch);
+  int tuned = 0;
+  if (!v.n_tile) {
+    char tile[512];
+    if (rt->db && m3_tuning_lookup(rt->db, &v, bucket, tile, sizeof tile)) {
+      m3_variant t = v;
+      m3_err ve;
+      /* A record from a neighbouring bucket is only a suggestion: it must
+       * still pass valid() for this key and arch (known-faults #33). */
+      if (m3_variant_parse_tile(&t, tile, &ve) == M3_OK && m3_render_canon(rt->jit.lua, &t, &ve) == M3_OK &&
+          m3_render_valid(rt->jit.lua, &t, NULL, 0, &ve) == M3_OK) {
+        v = t;
+        tuned = 1;
+      }
+    }
+    if (!tuned) M3_TRY(m3_render_default_tile(rt->jit.lua, &v, e));
+  }
+  m3_kernel *hit = memo_find(rt, &v);
+  if (hit) {
+    *k = hit;
+    return M3_OK;
+  }
+  m3_cubin cb;
+  M3_TRY(m3_jit_build(&rt->jit, &v, &cb, e));
+  m3_kernel *nk = calloc(1, sizeof *nk);
+  if (!nk) {
+    m3_cubin_free(&cb);
+    return m3_errf(e, M3_NOMEM, "kernel");
+  }
+  m3_status s = m3_module_load(cb.data, cb.size, &cb.meta, &nk->mod, e);
+  m3_cubin_free(&cb);
+  if (s != M3_OK) {
+    free(nk);
+    return s;
+  }
+  nk->key = v;
+  nk->from_tuning = tuned;
+  if (rt->n_kernels == rt->cap_kernels) {
+    int cap = rt->cap_kernels ? rt->cap_kernels * 2 : 64;
+    m3_kernel **nn = realloc(rt->kernels, sizeof *nn * (size_t)cap);
+    if (!nn) {
+      m3_module_unload(&nk->mod);
+      free(nk);
+      return m3_errf(e, M3_NOMEM, "kernel table");
+    }
+    rt->kernels = nn;
+    rt->cap_kernels = cap;
+  }
+  rt->kernels[rt->n_kernels++] = nk;
+  *k = nk;
+  return M3_OK;
+}
+
+m3_status m3_rt_kernel_text(m3_rt *rt, const char *key, const m3_bucket *bucket, m3_kernel **k, m3_err *e) {
+  m3_variant v;
+  M3_TRY(m3_variant_parse(key, &v, e));
+  return m3_rt_kernel(rt, &v, bucket, k, e);
+}

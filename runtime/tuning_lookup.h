@@ -1,0 +1,24 @@
+/* tuning_lookup.h - the runtime's read side of the tuning DB: load the user's
+ * records for this GPU plus the committed seed records, and answer "which tile
+ * for (key, bucket)".  Kept apart from cache/tunedb.c so that the kernel
+ * context depends on three calls, not on the DB's format. */
+#ifndef M3_TUNING_LOOKUP_H
+#define M3_TUNING_LOOKUP_H
+
+#include <stddef.h>
+
+#include "gen/lua_host.h"
+#include "gen/variant.h"
+#include "runtime/gpu.h"
+
+struct m3_tunedb;
+struct m3_bucket;
+
+/* Never fails: an unreadable or stale DB is reported once and ignored. */
+struct m3_tunedb *m3_tuning_open(const char *cache_root, const m3_device *dev, m3_lua *lua);
+void m3_tuning_close(struct m3_tunedb *db);
+/* 1 and the tile text ("warps=4,hpw=1") when a record applies. */
+int m3_tuning_lookup(struct m3_tunedb *db, const m3_variant *key, const struct m3_bucket *b, char *tile,
+                     size_t n);
+
+#endif

@@ -1,0 +1,154 @@
+/* check_variant.c - variant keys: canonical print/parse round trips, rejected
+ * keys with their reasons, tile verdicts, and the Lua sandbox. */
+#include <check.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gen/render.h"
+
+static m3_lua *L;
+static void setup(void) { m3_err e; ck_assert_int_eq(m3_lua_open(&L, &e), M3_OK); }
+static void teardown(void) { m3_lua_close(L); }
+
+#define QK "qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=e4m3,nq=64,nkv=4,niq=4,hd=128,rot=64,bs=128)"
+
+START_TEST(round_trip) {
+  const char *keys[] = {QK, QK "[warps=4,hpw=1]", QK "[warps=8,hpw=2]@sm_90a", QK "@sm_120"};
+  for (size_t i = 0; i < sizeof keys / sizeof *keys; i++) {
+    m3_variant v;
+    m3_err e;
+    ck_assert_msg(m3_render_parse_key(L, keys[i], &v, &e) == M3_OK, "%s", e.msg);
+    char out[M3_KEY_MAX];
+    m3_variant_print(&v, out, sizeof out);
+    ck_assert_str_eq(out, keys[i]);
+    m3_variant w;
+    ck_assert_int_eq(m3_render_parse_key(L, out, &w, &e), M3_OK);
+    char out2[M3_KEY_MAX];
+    m3_variant_print(&w, out2, sizeof out2);
+    ck_assert_str_eq(out2, out);
+  }
+}
+END_TEST
+
+START_TEST(canonicalises) {
+  m3_variant v;
+  m3_err e;
+  /* Out of order, leading zeros: printed back in declared order, normalised. */
+  ck_assert_int_eq(m3_render_parse_key(L, "qknorm_rope(nq=064,attn=sparse,insert=01,kv=bf16,idxk=e4m3,nkv=4,niq=4,hd=128,rot=64,bs=128)", &v, &e), M3_OK);
+  char out[M3_KEY_MAX];
+  m3_variant_print(&v, out, sizeof out);
+  ck_assert_str_eq(out, QK);
+}
+END_TEST
+
+static void expect_reject(const char *key, m3_status code, const char *needle) {
+  m3_variant v;
+  m3_err e = {0};
+  m3_status s = m3_render_parse_key(L, key, &v, &e);
+  ck_assert_msg(s == code, "%s: got %s (%s)", key, m3_status_name(s), e.msg);
+  ck_assert_msg(strstr(e.msg, needle) != NULL, "%s: message '%s' lacks '%s'", key, e.msg, needle);
+}
+
+START_TEST(rejects_with_reasons) {
+  expect_reject("qknorm_rope(attn=sparse)", M3_KEY, "missing axis 'insert'");
+  expect_reject("qknorm_rope(attn=sparse,insert=1,kv=fp4,idxk=e4m3,nq=64,nkv=4,niq=4,hd=128,rot=64,bs=128)", M3_KEY, "kv=fp4 is not one of bf16|e4m3");
+  expect_reject("qknorm_rope(attn=sparse,insert=2,kv=bf16,idxk=e4m3,nq=64,nkv=4,niq=4,hd=128,rot=64,bs=128)", M3_KEY, "insert=2 is not one of 0|1");
+  expect_reject(QK "[warps=3,hpw=1]", M3_KEY, "warps=3 is not one of");
+  expect_reject("qknorm_rope(attn=sparse,colour=red,insert=1,kv=bf16,idxk=e4m3,nq=64,nkv=4,niq=4,hd=128,rot=64,bs=128)", M3_KEY, "unknown axis 'colour'");
+  expect_reject("qknorm_rope(attn=sparse,attn=dense)", M3_KEY, "duplicate");
+  expect_reject("qknorm_rope(attn=sparse", M3_KEY, "column");
+  expect_reject("QK(attn=sparse)", M3_KEY, "lower-case");
+  expect_reject(QK "@gfx90a", M3_KEY, "arch");
+  expect_reject("no_such_template(a=1)", M3_NOTFOUND, "no_such_template");
+  expect_reject("qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=e4m3,nq=six,nkv=4,niq=4,hd=128,rot=64,bs=128)", M3_KEY, "not an integer");
+}
+END_TEST
+
+static void expect_invalid(const char *key, const char *needle) {
+  m3_variant v;
+  m3_err e = {0};
+  ck_assert_msg(m3_render_parse_key(L, key, &v, &e) == M3_OK, "%s", e.msg);
+  char why[512];
+  ck_assert_int_eq(m3_render_valid(L, &v, why, sizeof why, &e), M3_TILE);
+  ck_assert_msg(strstr(why, needle) != NULL, "%s: reason '%s' lacks '%s'", key, why, needle);
+  ck_assert(strstr(e.msg, "INVALID") != NULL);
+}
+
+START_TEST(invalid_combinations_have_reasons) {
+  expect_invalid("qknorm_rope(attn=dense,insert=1,kv=bf16,idxk=e4m3,nq=64,nkv=4,niq=0,hd=128,rot=64,bs=128)[warps=4,hpw=1]@sm_90", "idxk must be bf16");
+  expect_invalid("qknorm_rope(attn=dense,insert=0,kv=e4m3,idxk=bf16,nq=64,nkv=4,niq=0,hd=128,rot=64,bs=128)[warps=4,hpw=1]@sm_90", "insert=1");
+  expect_invalid("qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=bf16,nq=64,nkv=4,niq=4,hd=64,rot=64,bs=128)[warps=4,hpw=1]@sm_90", "head_dim must be 128");
+  expect_invalid("qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=bf16,nq=64,nkv=4,niq=4,hd=128,rot=60,bs=128)[warps=4,hpw=1]@sm_90", "multiple of 8");
+  expect_invalid("qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=bf16,nq=64,nkv=3,niq=4,hd=128,rot=64,bs=128)[warps=4,hpw=1]@sm_90", "divide");
+  expect_invalid(QK "[warps=4,hpw=1]@sm_75", "sm_80");
+}
+END_TEST
+
+START_TEST(default_tile_and_tile_space) {
+  m3_variant v, *t;
+  m3_err e;
+  int n;
+  ck_assert_int_eq(m3_render_parse_key(L, QK "@sm_90", &v, &e), M3_OK);
+  ck_assert_int_eq(m3_render_default_tile(L, &v, &e), M3_OK);
+  ck_assert_int_eq(m3_render_valid(L, &v, NULL, 0, &e), M3_OK);
+  ck_assert_int_eq(m3_render_tiles(L, &v, &t, &n, &e), M3_OK);
+  ck_assert_int_eq(n, 12);
+  char a[M3_KEY_MAX], b[M3_KEY_MAX];
+  for (int i = 0; i < n; i++)
+    for (int j = i + 1; j < n; j++) {
+      m3_variant_print(&t[i], a, sizeof a);
+      m3_variant_print(&t[j], b, sizeof b);
+      ck_assert_str_ne(a, b);
+    }
+  free(t);
+}
+END_TEST
+
+START_TEST(template_errors_name_file_and_line) {
+  char dir[] = "/tmp/m3tplXXXXXX";
+  ck_assert_ptr_nonnull(mkdtemp(dir));
+  char p[256];
+  snprintf(p, sizeof p, "%s/broken.lua", dir);
+  FILE *f = fopen(p, "w");
+  fputs("return {\n  axes = {{'a', {1, 2}}},\n  tiles = {{'t', {1}}},\n  valid = function() return true end,\n"
+        "  default_tile = function() return {t = 1} end,\n  render = function(k) local x = nil; return x.y end,\n}\n", f);
+  fclose(f);
+  snprintf(p, sizeof p, "%s/sandbox.lua", dir);
+  f = fopen(p, "w");
+  fputs("local h = io.open('/etc/passwd')\nreturn {}\n", f);
+  fclose(f);
+  setenv("M3KIT_TEMPLATE_DIR", dir, 1);
+  m3_lua *H;
+  m3_err e;
+  ck_assert_int_eq(m3_lua_open(&H, &e), M3_OK);
+  m3_variant v;
+  ck_assert_int_eq(m3_render_parse_key(H, "broken(a=1)[t=1]@sm_90", &v, &e), M3_OK);
+  m3_source src;
+  ck_assert_int_eq(m3_render_source(H, &v, &src, &e), M3_TEMPLATE);
+  ck_assert_msg(strstr(e.msg, "templates/broken.lua:6:") != NULL, "%s", e.msg);
+  /* The sandbox has no io library. */
+  ck_assert_int_eq(m3_render_parse_key(H, "sandbox(a=1)", &v, &e), M3_TEMPLATE);
+  ck_assert_msg(strstr(e.msg, "templates/sandbox.lua:1:") != NULL && strstr(e.msg, "io"), "%s", e.msg);
+  m3_lua_close(H);
+  unsetenv("M3KIT_TEMPLATE_DIR");
+}
+END_TEST
+
+int main(void) {
+  Suite *s = suite_create("variant");
+  TCase *tc = tcase_create("keys");
+  tcase_add_checked_fixture(tc, setup, teardown);
+  tcase_add_test(tc, round_trip);
+  tcase_add_test(tc, canonicalises);
+  tcase_add_test(tc, rejects_with_reasons);
+  tcase_add_test(tc, invalid_combinations_have_reasons);
+  tcase_add_test(tc, default_tile_and_tile_space);
+  tcase_add_test(tc, template_errors_name_file_and_line);
+  suite_add_tcase(s, tc);
+  SRunner *sr = srunner_create(s);
+  srunner_run_all(sr, CK_NORMAL);
+  int failed = srunner_ntests_failed(sr);
+  srunner_free(sr);
+  return failed ? 1 : 0;
+}
