@@ -49,6 +49,10 @@ static void sappend(char *d, size_t n, const char *s) {
 /* Buckets                                                                   */
 /* ========================================================================= */
 
+/* Dimension names are identifiers so that the canonical text needs no
+ * escaping and can be used verbatim in plot file names and CLI arguments.
+ * The bucket struct is fixed-size (no allocation) because buckets are built
+ * on the stack in hot-ish runtime paths (one per kernel lookup). */
 static int name_ok(const char *s, size_t len) {
   if (len == 0 || len >= M3_BUCKET_NAME_MAX || !(s[0] >= 'a' && s[0] <= 'z')) return 0;
   for (size_t i = 1; i < len; i++)
@@ -75,6 +79,9 @@ m3_status m3_bucket_parse(const char *s, m3_bucket *b, m3_err *e) {
   if (!s) return m3_errf(e, M3_FORMAT, "bucket: missing text");
   const char *p = s;
   if (!*p) return M3_OK; /* a shape-independent kernel: no dimensions */
+  /* One "name=value" part per iteration; p is the start of the part, end its
+   * terminating ',' or NUL.  An empty part ("a=1,,b=2", a trailing ',') has
+   * no '=' before its end and is rejected like any other malformed part. */
   for (;;) {
     const char *eq = strchr(p, '=');
     const char *end = strchr(p, ',');
@@ -92,6 +99,8 @@ m3_status m3_bucket_parse(const char *s, m3_bucket *b, m3_err *e) {
     if (!digits)
       return m3_errf(e, M3_FORMAT, "bucket '%s': value '%.*s' of '%.*s' is not a canonical decimal", s,
                      (int)vlen, v, (int)(eq - p), p);
+    /* 18 digits always fit int64_t, so strtoll cannot overflow here; the
+     * duplicate-name and dimension-count checks live in m3_bucket_add. */
     char name[M3_BUCKET_NAME_MAX];
     snprintf(name, sizeof name, "%.*s", (int)(eq - p), p);
     m3_err sub;
@@ -102,6 +111,8 @@ m3_status m3_bucket_parse(const char *s, m3_bucket *b, m3_err *e) {
   }
 }
 
+/* snprintf semantics (returns the length needed, truncates safely) so that a
+ * caller with a small buffer can detect it; M3_BUCKET_STR_MAX always fits. */
 int m3_bucket_format(const m3_bucket *b, char *buf, size_t n) {
   size_t used = 0;
   if (n) buf[0] = 0;
@@ -119,7 +130,10 @@ int64_t m3_bucket_get(const m3_bucket *b, const char *name) {
   return -1;
 }
 
-/* Same names (any order); with `values` also the same values. */
+/* Same names (any order); with `values` also the same values.  Name-based
+ * rather than positional, because the op declaring the dimensions and the
+ * tuner printing them could disagree on order, and a record must not become
+ * unreachable over a cosmetic difference. */
 static int same_dims(const m3_bucket *a, const m3_bucket *b, int values) {
   if (a->ndims != b->ndims) return 0;
   for (int i = 0; i < a->ndims; i++) {
@@ -217,21 +231,19 @@ m3_status m3_tune_record_check(const m3_tune_record *r, m3_err *e) {
     return m3_errf(e, M3_INVAL, "record '%s': n_candidates=%zu but no array", r->key, r->n_candidates);
   /* Fault 32: a tile that failed verification must never become the answer.
    * The chosen tile may be absent from the list (a hand-written seed, or the
-   * default when nothing passed), but if it is listed it must have PASSED. */
-  int listed = 0, passed = 0;
+   * default when nothing passed), but where it is listed it must have PASSED,
+   * every time: one INCORRECT run condemns the tile whatever else passed. */
+  int failed = 0;
   for (size_t i = 0; i < r->n_candidates; i++) {
     const m3_tune_candidate *c = &r->candidates[i];
     if (!tile_ok(c->tile)) return m3_errf(e, M3_INVAL, "record '%s': candidate %zu: missing or invalid 'tile'", r->key, i);
     if ((unsigned)c->disposition >= M3_DISP_COUNT)
       return m3_errf(e, M3_INVAL, "record '%s': candidate %zu: bad disposition", r->key, i);
     if (!text_ok(c->reason)) return m3_errf(e, M3_INVAL, "record '%s': candidate %zu: reason is not UTF-8", r->key, i);
-    if (!strcmp(c->tile, r->tile)) {
-      listed = 1;
-      passed |= c->disposition == M3_DISP_PASSED;
-    }
+    failed |= !strcmp(c->tile, r->tile) && c->disposition != M3_DISP_PASSED;
   }
-  if (listed && !passed)
-    return m3_errf(e, M3_INVAL, "record '%s': chosen tile '%s' is listed but did not PASS verification", r->key, r->tile);
+  if (failed)
+    return m3_errf(e, M3_INVAL, "record '%s': chosen tile '%s' is listed as a candidate that did not PASS verification", r->key, r->tile);
   return M3_OK;
 }
 
@@ -244,6 +256,9 @@ static char *dup_or_null(const char *s, int *oom) {
   return d;
 }
 
+/* The record struct is const-qualified for its callers (a DB-owned record
+ * must not be modified in place: its identity indexes the handle), so the
+ * owner casts the const away only here, at free time. */
 static void record_free(m3_tune_record *r) {
   free((char *)r->key);
   free((char *)r->arch);
@@ -261,6 +276,10 @@ static void record_free(m3_tune_record *r) {
   memset(r, 0, sizeof *r);
 }
 
+/* Deep copy: put() borrows everything from the caller (the tuner builds the
+ * record from stack buffers), and load borrows from a jansson tree that is
+ * freed right after, so the handle must own every byte it keeps.  On OOM the
+ * partial copy is freed and nothing is inserted. */
 static m3_status record_copy(m3_tune_record *d, const m3_tune_record *s, m3_err *e) {
   int oom = 0;
   *d = *s; /* numbers, bucket, then replace every pointer */
@@ -418,6 +437,7 @@ static const char *const metric_fields[] = {"unit", "achieved", "ceiling", "pct_
 static const char *const cand_fields[] = {"tile", "disposition", "reason", "median_us",
                                           "p20_us", "p80_us",    "n",      NULL};
 
+/* Linear scan of a ~10-entry table per field: trivial next to the I/O. */
 static int count_unknown(json_t *o, const char *const *known) {
   int n = 0;
   const char *k;
@@ -588,12 +608,23 @@ static m3_status parse_doc(const char *path, const uint8_t *data, size_t len, js
                            m3_err *e) {
   *root = NULL;
   *version = 0;
+  /* Our own writer never leaves an empty file (rename publishes whole files),
+   * but a copy tool, a full disk under another editor, or a hand-truncation
+   * can; jansson would report it less clearly than this. */
   if (len == 0) return m3_errf(e, M3_FORMAT, "%s: empty file (a truncated write?)", path);
+  /* Duplicate keys mean a hand-merged or garbled file: which value "wins"
+   * would be the parser's choice, not a documented rule, so reject it.  The
+   * length-bounded load also rejects trailing garbage after the object. */
   json_error_t je;
   json_t *j = json_loadb((const char *)data, len, JSON_REJECT_DUPLICATES, &je);
   if (!j)
     return m3_errf(e, M3_FORMAT, "%s:%d:%d: not valid JSON: %s (truncated or garbled tuning DB)", path, je.line,
                    je.column, je.text);
+  /* Valid JSON that is not ours (another tool's file dropped in the tuning
+   * directory, a config mistakenly copied over it) is as unusable as garbage
+   * and gets the same treatment: M3_FORMAT, and a .corrupt copy on save.
+   * "records" is only checked for the version we understand: a newer
+   * version may legitimately restructure it. */
   json_t *fmt = json_object_get(j, "format"), *ver = json_object_get(j, "version");
   const char *why = NULL;
   if (!json_is_object(j))
@@ -631,11 +662,16 @@ static void template_name(const char *key, char *buf, size_t n) {
   snprintf(buf, n, "%.*s", (int)len, key);
 }
 
-/* Returns nonzero (and counts it) when the record must be ignored. */
-static int is_stale(const m3_tune_record *r, const m3_tunedb_filter *f, load_notes *ln) {
+/* Returns nonzero (and counts it) when the record must be ignored.  Arch and
+ * template hash decide whether a tile is even meaningful, so they apply to
+ * every record.  The driver only moves timings, and a seed comes from another
+ * machine by definition, so the driver check applies to user records only:
+ * otherwise no user with a different driver would ever see a seed record. */
+static int is_stale(const m3_tune_record *r, int origin, const m3_tunedb_filter *f, load_notes *ln) {
   if (!f) return 0;
   if (f->arch && strcmp(f->arch, r->arch)) return ++ln->rep->stale_arch;
-  if (f->driver_version && (!r->prov.driver_version || strcmp(f->driver_version, r->prov.driver_version)))
+  if (f->driver_version && origin != ORIGIN_SEED &&
+      (!r->prov.driver_version || strcmp(f->driver_version, r->prov.driver_version)))
     return ++ln->rep->stale_driver;
   if (f->template_hash) {
     char name[160];
@@ -669,6 +705,9 @@ static m3_status load_file(m3_tunedb *db, const char *path, int origin, const m3
     return M3_OK;
   }
   ln->rep->unknown_fields += count_unknown(root, top_fields);
+  /* Per record: parse (malformed -> counted, skipped), filter (stale ->
+   * counted, ignored), then deep-copy into the handle.  One bad record never
+   * fails the load: the rest of the file is still good measurements. */
   json_t *recs = json_object_get(root, "records"), *o;
   size_t i;
   s = M3_OK;
@@ -680,7 +719,7 @@ static m3_status load_file(m3_tunedb *db, const char *path, int origin, const m3
       ln->rep->invalid++;
       if (!ln->first_invalid[0])
         snprintf(ln->first_invalid, sizeof ln->first_invalid, "%s record %zu: %s", path, i, why);
-    } else if (!is_stale(&r, f, ln)) {
+    } else if (!is_stale(&r, origin, f, ln)) {
       int prev;
       s = db_insert(db, &r, origin, &prev, e);
       if (s == M3_OK) {
@@ -778,7 +817,12 @@ static int set_str(json_t *o, const char *k, const char *v) {
   return v ? json_object_set_new(o, k, json_string(v)) : 0;
 }
 
-/* Field order here is the order in the file (jansson keeps insertion order). */
+/* Field order here is the order in the file (jansson keeps insertion order):
+ * identity first, then the answer, then why we believe it.  Absent strings
+ * are omitted rather than written as null so that a hand-written seed and a
+ * tuner-written record look alike; unmeasured numbers are null so that every
+ * candidate line has the same columns.  Errors from the many set calls are
+ * OR-ed together: any failure here is out-of-memory, reported once. */
 static json_t *record_to_json(const m3_tune_record *r) {
   char bucket[M3_BUCKET_STR_MAX];
   m3_bucket_format(&r->bucket, bucket, sizeof bucket);
@@ -827,6 +871,8 @@ static json_t *record_to_json(const m3_tune_record *r) {
   return o;
 }
 
+/* Every value in the file goes through json_dumps: escaping, UTF-8 and
+ * number formatting are jansson's, only the line breaks are ours. */
 static int put_json(FILE *f, json_t *v) {
   char *s = json_dumps(v, REAL_FLAGS);
   if (!s) return -1;
@@ -840,6 +886,32 @@ static int put_key(FILE *f, const char *k) {
   int r = j ? put_json(f, j) : -1;
   json_decref(j);
   return r;
+}
+
+/* A nested object (provenance): on one line when short, else one field per
+ * line so that the command line and versions stay readable. */
+static int put_object(FILE *f, json_t *o) {
+  char *s = json_dumps(o, REAL_FLAGS);
+  if (!s) return -1;
+  size_t len = strlen(s);
+  free(s);
+  /* 100 columns: metric objects stay on one line, provenance (with the
+   * command line) does not. */
+  if (len <= 100 || !json_object_size(o)) return put_json(f, o);
+  int bad = 0;
+  size_t i = 0, n = json_object_size(o);
+  const char *k;
+  json_t *v;
+  fputs("{\n", f);
+  json_object_foreach(o, k, v) {
+    fputs("        ", f);
+    bad |= put_key(f, k);
+    fputs(": ", f);
+    bad |= put_json(f, v);
+    fputs(++i < n ? ",\n" : "\n", f);
+  }
+  fputs("      }", f);
+  return bad;
 }
 
 /* One record: one field per line, each value on one line, except candidates,
@@ -865,6 +937,8 @@ static int put_record(FILE *f, json_t *rec) {
         fputs(j + 1 < json_array_size(v) ? ",\n" : "\n", f);
       }
       fputs("      ]", f);
+    } else if (json_is_object(v)) {
+      bad |= put_object(f, v);
     } else {
       bad |= put_json(f, v);
     }
@@ -1014,6 +1088,9 @@ m3_status m3_tunedb_save_merge(const char *path, const m3_tunedb *db, m3_tunedb_
   if (!rep) rep = &local;
   memset(rep, 0, sizeof *rep);
   if (!path || !db) return m3_errf(e, M3_INVAL, "m3_tunedb_save_merge: NULL argument");
+  /* Nothing measured, nothing to publish: in particular a tuner that only
+   * loaded must not "touch" the file (nor judge a garbled one, whose fate is
+   * decided by the next save that has something to put in its place). */
   size_t ours = 0;
   for (size_t i = 0; i < db->n; i++) ours += db->v[i].origin == ORIGIN_PUT;
   if (!ours) return M3_OK;
@@ -1039,9 +1116,11 @@ m3_status m3_tunedb_save_merge(const char *path, const m3_tunedb *db, m3_tunedb_
   char *text = NULL;
   char why[600] = "";
 
+  /* Re-read under the lock even though the caller may have loaded the file
+   * moments ago: what matters is the state the previous lock holder left. */
   s = m3_read_file(path, &data, &len, e);
   if (s == M3_NOTFOUND) {
-    s = M3_OK;
+    s = M3_OK; /* first tuning on this machine */
   } else if (s == M3_OK) {
     int version;
     m3_err pe;
@@ -1059,6 +1138,9 @@ m3_status m3_tunedb_save_merge(const char *path, const m3_tunedb *db, m3_tunedb_
     } else if (s != M3_OK) {
       m3_errf(e, s, "%s", pe.msg);
     } else if (version > M3_TUNEDB_VERSION) {
+      /* Replacing a newer file with a v1 one would silently drop whatever the
+       * newer format carries; the user must use the newer m3kit or move the
+       * file away, and the message says which file. */
       s = m3_errf(e, M3_UNSUPPORTED, "%s has format version %d, newer than this m3kit's %d: not overwriting it",
                   path, version, M3_TUNEDB_VERSION);
     }
@@ -1083,13 +1165,18 @@ m3_status m3_tunedb_save_merge(const char *path, const m3_tunedb *db, m3_tunedb_
       if (strcmp(k, "format") && strcmp(k, "version") && strcmp(k, "records")) json_object_set(root, k, v);
     }
   }
+  /* all[] collects borrowed references (disk records owned by `disk`, ours by
+   * `recs`) only to sort them; `sorted` then takes its own references. */
   all = calloc(ndisk + ours + 1, sizeof *all);
   if (!all) {
     s = m3_errf(e, M3_NOMEM, "%s: out of memory", path);
     goto out;
   }
   size_t n = 0;
-  /* On-disk records survive unless we re-measured the same identity. */
+  /* On-disk records survive unless we re-measured the same identity.  They are
+   * kept as raw JSON, never round-tripped through our struct: that is what
+   * preserves unknown fields, stale records and malformed ones verbatim.
+   * O(disk × ours) comparisons: a few hundred squared at most. */
   for (size_t i = 0; i < ndisk; i++) {
     disk_rec d;
     identify(&d, json_array_get(json_object_get(disk, "records"), i), i);
@@ -1120,6 +1207,8 @@ m3_status m3_tunedb_save_merge(const char *path, const m3_tunedb *db, m3_tunedb_
     goto out;
   }
 
+  /* Encode, self-check, publish.  The lock is still held so the next writer
+   * re-reads exactly this text. */
   size_t tlen;
   s = dump_doc(path, root, &text, &tlen, e);
   if (s != M3_OK) goto out;
@@ -1143,20 +1232,18 @@ out:
 
 typedef struct ranked {
   const m3_tune_record *r;
-  double dist;      /* rule 1 */
-  int above;        /* rule 2 */
-  double logsum;    /* rule 3 */
+  double dist;   /* rule 1 */
+  double logsum; /* rule 2 */
   const m3_bucket *shape;
 } ranked;
 
 static int cmp_ranked(const void *pa, const void *pb) {
   const ranked *a = pa, *b = pb;
   /* Distances are sums of a few log2s: compare with a tolerance so that two
-   * mathematically equal distances really tie and fall to rules 2-4. */
+   * mathematically equal distances really tie and fall to rules 2-3. */
   const double eps = 1e-9;
   if (a->dist < b->dist - eps) return -1;
   if (a->dist > b->dist + eps) return 1;
-  if (a->above != b->above) return a->above < b->above ? -1 : 1;
   if (a->logsum < b->logsum - eps) return -1;
   if (a->logsum > b->logsum + eps) return 1;
   for (int i = 0; i < a->shape->ndims; i++) {
@@ -1173,6 +1260,9 @@ m3_status m3_tunedb_lookup(const m3_tunedb *db, const char *key, const char *arc
   memset(hit, 0, sizeof *hit);
   char sb[M3_BUCKET_STR_MAX];
   m3_bucket_format(shape, sb, sizeof sb);
+  /* Applicable = same key, same arch, same dimension names.  A record with
+   * other dimensions belongs to another regime of the op (e.g. decode
+   * buckets without a batch dimension) and has no meaningful distance. */
   size_t n = 0;
   for (size_t i = 0; i < db->n; i++) {
     const m3_tune_record *r = &db->v[i].r;
@@ -1181,6 +1271,9 @@ m3_status m3_tunedb_lookup(const m3_tunedb *db, const char *key, const char *arc
   if (!n)
     return m3_errf(e, M3_NOTFOUND, "no tuning record for %s at %s on %s: using the template's default tile", key,
                    sb, arch);
+  /* Rank every applicable record (not just the nearest): when the nearest
+   * tile fails valid() at this shape the next-nearest one is the best
+   * measured fallback, and the default tile only comes after all of them. */
   ranked *v = calloc(n, sizeof *v);
   if (!v) return m3_errf(e, M3_NOMEM, "m3_tunedb_lookup: out of memory");
   size_t k = 0;
@@ -1193,7 +1286,6 @@ m3_status m3_tunedb_lookup(const m3_tunedb *db, const char *key, const char *arc
     for (int d = 0; d < shape->ndims; d++) {
       int64_t bv = m3_bucket_get(&r->bucket, shape->dims[d].name), sv = shape->dims[d].value;
       x->dist += fabs(lg(sv) - lg(bv));
-      x->above += bv > sv;
       x->logsum += lg(bv);
     }
   }
@@ -1207,7 +1299,7 @@ m3_status m3_tunedb_lookup(const m3_tunedb *db, const char *key, const char *arc
       if (!hit->rejected++) {
         char rb[M3_BUCKET_STR_MAX];
         m3_bucket_format(&v[i].r->bucket, rb, sizeof rb);
-        snprintf(hit->reject_reason, sizeof hit->reject_reason, "tile %s (tuned at %s): %s", v[i].r->tile, rb,
+        snprintf(hit->reject_reason, sizeof hit->reject_reason, "tile %.60s (tuned at %.60s): %.110s", v[i].r->tile, rb,
                  reason[0] ? reason : "rejected by valid()");
       }
       continue;
@@ -1240,6 +1332,9 @@ static void fmt_us(char *b, size_t n, double v) {
     snprintf(b, n, "-");
 }
 
+/* Column widths fit the longest key/bucket/tile so that the table stays
+ * aligned for real keys (60+ characters) without truncating any of them:
+ * the key is what the user copies into the next command. */
 void m3_tunedb_print(const m3_tunedb *db, FILE *out) {
   if (!db || !out) return;
   int wk = 3, wb = 6, wt = 4, wd = 7;
@@ -1340,6 +1435,10 @@ static m3_status close_checked(FILE *f, const char *p, m3_err *e) {
   return M3_OK;
 }
 
+/* One plot per record rather than one per kernel: candidates differ per
+ * bucket (valid() prunes differently at each shape), so a shared x axis of
+ * tiles would be mostly gaps.  The .dat keeps every candidate, measured or
+ * not, so the index column matches the record's candidate order. */
 m3_status m3_tunedb_write_plot_data(const m3_tunedb *db, const char *dir, const char *key_substr, int *n_plots,
                                     m3_err *e) {
   if (n_plots) *n_plots = 0;
@@ -1398,7 +1497,7 @@ m3_status m3_tunedb_write_plot_data(const m3_tunedb *db, const char *dir, const 
     gp_quote(f, title);
     fprintf(f, " noenhanced\nset datafile missing '-'\nset ylabel 'time (us): median, p20..p80'\n"
                "set xtics rotate by -60 noenhanced font ',8'\nset xrange [-1:%zu]\nset yrange [0:*]\n"
-               "set grid ytics\nset key top left\nset bmargin 10\n",
+               "set offsets 0, 0, graph 0.08, 0\nset grid ytics\nset key top left\nset bmargin 10\n",
             r->n_candidates);
     fprintf(f, "plot ");
     snprintf(path2, sizeof path2, "%s/%s.dat", abs, name);

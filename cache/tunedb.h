@@ -46,9 +46,10 @@
  *   significant digits.  Unknown fields anywhere are tolerated (counted as
  *   warnings) and preserved on disk by save_merge.
  *
- * Load rules: a record for another arch, another driver version, or another
- * template hash (or a template this build does not have) is STALE: ignored and
- * counted, and the caller prints ONE summary line (m3_tunedb_report.summary).
+ * Load rules: a record for another arch, another template hash (or a template
+ * this build does not have), or - user records only - another driver is
+ * STALE: ignored and counted, and the caller prints ONE summary line
+ * (m3_tunedb_report.summary).
  * A record missing a required field, with an ill-typed known field, or whose
  * chosen tile is a non-PASSED candidate (fault 32) is skipped and counted.
  * A truncated/garbled file gives M3_FORMAT naming the file, line and column;
@@ -90,7 +91,7 @@ typedef struct m3_bucket {
   } dims[M3_BUCKET_MAX_DIMS];
 } m3_bucket;
 
-/* Append dimension `name` = `value`.  Errors: M3_INVAL (bad or duplicate name,
+/* Append dimension `name` = `value` (start from `m3_bucket b = {0};`).  Errors: M3_INVAL (bad or duplicate name,
  * negative value), M3_RANGE (more than M3_BUCKET_MAX_DIMS). */
 m3_status m3_bucket_add(m3_bucket *b, const char *name, int64_t value, m3_err *e);
 /* Parse canonical text; parse-then-format returns the identical string.
@@ -179,8 +180,9 @@ typedef struct m3_tune_record {
 /* A record with every number NAN/0 and every pointer NULL (fill then put). */
 m3_tune_record m3_tune_record_empty(void);
 /* Validate a record the way load and put do.  Errors: M3_INVAL naming the
- * field (missing key/arch/tile/template_hash, a chosen tile that a candidate
- * marks non-PASSED, a candidate without a tile). */
+ * field: missing key/arch/tile/template_hash, a bad arch name, a tile with
+ * whitespace, non-UTF-8 text, a candidate without a tile, or a chosen tile
+ * that any candidate entry marks non-PASSED (fault 32). */
 m3_status m3_tune_record_check(const m3_tune_record *r, m3_err *e);
 
 /* ------------------------------------------------------------------------- */
@@ -200,7 +202,9 @@ m3_status m3_tunedb_path(const char *arch, char *buf, size_t n, m3_err *e);
 /* What a load is allowed to keep.  NULL fields are not checked. */
 typedef struct m3_tunedb_filter {
   const char *arch;           /* the device's arch, "sm_90" */
-  const char *driver_version; /* compared with provenance.driver_version */
+  const char *driver_version; /* compared with provenance.driver_version of
+                               * USER records (a seed is from another machine
+                               * by definition; its driver only moved timings) */
   /* The current hash of template `name` (text of the key before '('), or NULL
    * when this build has no such template; a mismatch makes the record stale. */
   const char *(*template_hash)(void *ctx, const char *name);
@@ -283,11 +287,11 @@ typedef struct m3_tune_hit {
  * dimension NAMES as `shape`, ordered by the NEAREST-BUCKET RULE:
  *   1. smaller distance Σ_d |log2 shape_d − log2 bucket_d| (0 counts as 2^-1):
  *      kernel regimes change by factors, not by increments;
- *   2. then fewer dimensions where the bucket is LARGER than the shape: tile
- *      limits are mostly upper bounds (tile ≤ rows), so a tile tuned at or
- *      below the shape is the likelier to be valid;
- *   3. then the smaller bucket (Σ log2 bucket_d);
- *   4. then smaller values in the shape's dimension order (determinism).
+ *   2. on a tie, the SMALLER bucket (smaller Σ_d log2 bucket_d; at equal
+ *      distance this is the bucket that overshoots the shape by fewer
+ *      octaves): tile limits are mostly upper bounds (tile ≤ rows), so a tile
+ *      tuned at or below the shape is the likelier to be valid;
+ *   3. then smaller values in the shape's dimension order (determinism).
  * Walking that order, the first record whose tile passes check(ctx, tile) wins.
  * CONTRACT (fault 33): a tile tuned at another shape may be invalid at this
  * one (tile > rows, smem over the limit, divisibility), so callers pass the
@@ -296,7 +300,7 @@ typedef struct m3_tune_hit {
  * valid() itself and use default_tile() when it fails.  Returns M3_NOTFOUND
  * (message in e) when no record applies or every tile failed: the caller then
  * uses the template's default_tile() - untuned, never broken.
- * Errors: M3_NOTFOUND, M3_INVAL (NULL arguments). */
+ * Errors: M3_NOTFOUND, M3_INVAL (NULL arguments), M3_NOMEM. */
 m3_status m3_tunedb_lookup(const m3_tunedb *db, const char *key, const char *arch,
                            const m3_bucket *shape, m3_tile_check_fn check, void *ctx,
                            m3_tune_hit *hit, m3_err *e);

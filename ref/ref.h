@@ -158,7 +158,8 @@ typedef struct m3_qkr_args {
  * [0, max_pos) of the table: this function has no table length to check.
  * slot_mapping may be NULL (no main insert); index_slot_mapping NULL means
  * "same as slot_mapping" (vLLM's default).
- * Preconditions: rotary_dim even, <= head_dim; iq_w/ik_w non-NULL when niq > 0;
+ * Preconditions: head_dim <= 1024; rotary_dim even, <= head_dim; iq_w/ik_w
+ * non-NULL when niq > 0;
  * caches non-NULL when insert and the matching slots are >= 0.  Errors: none. */
 void m3_ref_qknorm_rope(const m3_qkr_args *a,
     m3_bf16 *qkv,              /* [N, row] in/out; row = (nq+2nkv)*hd (+ (niq+1)*hd if sparse) */
@@ -290,7 +291,9 @@ typedef struct m3_attn_args {
  * read, and a repeated id counts once (set semantics; top-k never repeats).
  * Blocks are visited in list order.  Math: logits z = fp32 dot(q, K) * scale;
  * softmax and the P·V sum in fp64 with an online max (mathematically exact up
- * to fp64 rounding), one bf16 rounding of the output.  The GPU rounds P to
+ * to fp64 rounding); the output is acc/den rounded fp64 -> fp32 -> bf16 (the
+ * double step can differ from a direct rounding only on exact fp32 ties).
+ * head_dim <= 1024.  The GPU rounds P to
  * bf16 before P·V, so GPU tests use a relative tolerance (~1e-2).  A query with
  * no key (impossible with a well-formed selection) outputs zeros.
  * q [N, nq, hd] bf16; kv_cache [num_pages, nkv, bs, 2*hd] bf16|e4m3;
@@ -398,7 +401,8 @@ void m3_ref_router_logits(int64_t n, int hidden, int n_experts,
  * layers 0-2): gate = bf16(x·gateᵀ), up = bf16(x·upᵀ),
  * act = bf16(swiglu_oai(gate, up)), out = bf16(act·downᵀ)  (§7.1, §10.1).
  * gate/up weights [inter, hidden], down [hidden, inter], bf16 or MXFP8; x
- * [n, hidden] bf16, out [n, hidden] bf16.  Scratch: 3 * inter bf16 + floats.
+ * [n, hidden] bf16, out [n, hidden] bf16.  Scratch: 3 * 32 * inter bf16 (32-token
+ * chunks) plus the GEMM scratch.
  * Errors: M3_INVAL (shapes), M3_NOMEM. */
 m3_status m3_ref_mlp(int64_t n, const m3_bf16 *x, const m3_ref_weight *gate,
                      const m3_ref_weight *up, const m3_ref_weight *down,
@@ -421,7 +425,10 @@ typedef struct m3_moe_args {
  *   out = bf16( (Σ_k w_k * float(y_k)  accumulated in fp32 in top-k order)
  *               + float(shared) )
  * with w_k already including routed_scaling and shared the bf16 output of the
- * shared expert (omitted when shared_gate is NULL).
+ * shared expert (omitted when shared_gate is NULL).  Scaling the weights and
+ * vLLM's scaling of the routed sum agree bit for bit: x2.0 is exact in fp32.
+ * Experts run per chunk of tokens grouped by expert (weights decoded once per
+ * chunk); results do not depend on the chunking.
  * m [N, hidden] bf16; wg [E, hidden] fp32; bias [E] fp32 (may be NULL);
  * w1, w3 [E] expert gate / up weights [inter, hidden]; w2 [E] down
  * [hidden, inter]; shared_* likewise (may all be NULL); out [N, hidden] bf16;
@@ -478,7 +485,8 @@ typedef struct m3_sample_args {
 
 /* Temperature + top-p, exactly (fp32 throughout):
  *   x_i = float(logit_i) / temperature; NaN logits are excluded (never drawn);
- *   m = max x; e_i = expf(x_i - m);
+ *   m = max x; e_i = expf(x_i - m) (if m = +inf: e_i = 1 for the +inf
+ *   logits, 0 otherwise);
  *   order ids by (x desc, id asc); Z = Σ e_i in that order; p_i = e_i / Z;
  *   c_k = p_0 + ... + p_k in that order; keep the smallest prefix with
  *   c_k >= top_p (all if rounding never gets there);

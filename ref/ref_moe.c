@@ -68,24 +68,25 @@ m3_status m3_ref_route(const m3_route_args *a, const void *logits,
   return M3_OK;
 }
 
+/* m3_ref_dot_f32's order with the bf16 activation upcast on the fly, so any
+ * hidden size works without a row buffer. */
+static float dot_bf16_f32(const m3_bf16 *x, const float *w, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8)
+    for (int u = 0; u < 8; u++) acc[u] += m3_bf16_to_f32(x[k + u]) * w[k + u];
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) +
+            ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; k < n; k++) s += m3_bf16_to_f32(x[k]) * w[k];
+  return s;
+}
+
 void m3_ref_router_logits(int64_t n, int hidden, int n_experts,
                           const m3_bf16 *m, const float *wg, float *logits) {
-  float xf[8192];
-  for (int64_t t = 0; t < n; t++) {
-    const m3_bf16 *x = m + t * hidden;
-    /* hidden <= 8192 in every M3 shape; longer rows go the slow way. */
-    if (hidden <= 8192) {
-      for (int k = 0; k < hidden; k++) xf[k] = m3_bf16_to_f32(x[k]);
-      for (int x2 = 0; x2 < n_experts; x2++)
-        logits[t * n_experts + x2] = m3_ref_dot_f32(xf, wg + (int64_t)x2 * hidden, hidden);
-    } else {
-      for (int x2 = 0; x2 < n_experts; x2++) {
-        float acc = 0.0f;
-        for (int k = 0; k < hidden; k++) acc += m3_bf16_to_f32(x[k]) * wg[(int64_t)x2 * hidden + k];
-        logits[t * n_experts + x2] = acc;
-      }
-    }
-  }
+  for (int64_t t = 0; t < n; t++)
+    for (int x = 0; x < n_experts; x++)
+      logits[t * n_experts + x] =
+          dot_bf16_f32(m + t * hidden, wg + (int64_t)x * hidden, hidden);
 }
 
 m3_status m3_ref_mlp(int64_t n, const m3_bf16 *x, const m3_ref_weight *gate,

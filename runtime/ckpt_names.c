@@ -5,6 +5,7 @@
 #include "runtime/ckpt_names.h"
 
 #include <ctype.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,17 +22,25 @@ static const struct {
 };
 _Static_assert(sizeof roles / sizeof *roles == M3_ROLE_COUNT, "role table");
 
-const char *m3_role_name(m3_role r) {
-  /* Lower-case once into static storage: the table is constant. */
-  static char lower[M3_ROLE_COUNT][32];
-  if ((unsigned)r >= M3_ROLE_COUNT) return "?";
-  if (!lower[r][0]) {
+/* Lower-case short names, built once from the table (pthread_once: callers
+ * may be on several threads). */
+static char role_lower[M3_ROLE_COUNT][32];
+static pthread_once_t role_once = PTHREAD_ONCE_INIT;
+
+static void role_names_init(void) {
+  for (int r = 0; r < M3_ROLE_COUNT; r++) {
     const char *s = roles[r].short_name;
     size_t i = 0;
-    for (; s[i] && i + 1 < sizeof lower[r]; i++) lower[r][i] = (char)tolower((unsigned char)s[i]);
-    lower[r][i] = 0;
+    for (; s[i] && i + 1 < sizeof role_lower[r]; i++)
+      role_lower[r][i] = (char)tolower((unsigned char)s[i]);
+    role_lower[r][i] = 0;
   }
-  return lower[r];
+}
+
+const char *m3_role_name(m3_role r) {
+  if ((unsigned)r >= M3_ROLE_COUNT) return "?";
+  pthread_once(&role_once, role_names_init);
+  return role_lower[r];
 }
 
 /* ---- expected inventory --------------------------------------------------------- */
@@ -324,7 +333,7 @@ m3_status m3_ckpt_bind(const m3_config *c, const m3_st *st, const char *name_for
       continue;
     }
     if (sp->kind != M3_WK_LINEAR) continue;
-    char sname[200];
+    char sname[sizeof full + 16];
     snprintf(sname, sizeof sname, "%s_scale_inv", full); /* "...weight" -> "...weight_scale_inv" */
     const m3_st_tensor *sc = m3_st_find(st, sname);
     if (sc) used[sc - base] = 1;

@@ -6,6 +6,7 @@
 
 #include <jansson.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -388,7 +389,7 @@ static m3_status parse_root(const json_t *root, const char *name, m3_config *c, 
     if (f) c->video_token_index = v;
     parse_ctx pt = {name, "text_config.", e};
     M3_TRY(parse_text(&pt, t, c));
-    if (!q) q = json_object_get(t, "quantization_config");
+    if (!q && (q = json_object_get(t, "quantization_config"))) p.pre = "text_config.";
   } else {
     M3_TRY(parse_text(&p, root, c));
   }
@@ -440,21 +441,26 @@ m3_status m3_config_load_file(const char *path, m3_config *c, m3_err *e) {
 
 #define N_PRESETS (sizeof m3_presets / sizeof *m3_presets - 1)
 
-const char *const *m3_config_preset_names(void) {
-  /* Names are the file names without ".json"; built once, then read-only.
-   * Static storage sized from the embedded table, so no allocation. */
-  static char names[N_PRESETS][64];
-  static const char *list[N_PRESETS + 1];
-  if (!list[0]) {
-    for (size_t i = 0; i < N_PRESETS; i++) {
-      snprintf(names[i], sizeof names[i], "%s", m3_presets[i].name);
-      char *dot = strrchr(names[i], '.');
-      if (dot && strcmp(dot, ".json") == 0) *dot = 0;
-      list[i] = names[i];
-    }
-    list[N_PRESETS] = NULL;
+/* Names are the file names without ".json", built once (pthread_once: the
+ * library may be used from several threads) into static storage sized from
+ * the embedded table, so no allocation and nothing to free. */
+static char preset_name_buf[N_PRESETS][64];
+static const char *preset_list[N_PRESETS + 1];
+static pthread_once_t preset_once = PTHREAD_ONCE_INIT;
+
+static void preset_names_init(void) {
+  for (size_t i = 0; i < N_PRESETS; i++) {
+    snprintf(preset_name_buf[i], sizeof preset_name_buf[i], "%s", m3_presets[i].name);
+    char *dot = strrchr(preset_name_buf[i], '.');
+    if (dot && strcmp(dot, ".json") == 0) *dot = 0;
+    preset_list[i] = preset_name_buf[i];
   }
-  return list;
+  preset_list[N_PRESETS] = NULL;
+}
+
+const char *const *m3_config_preset_names(void) {
+  pthread_once(&preset_once, preset_names_init);
+  return preset_list;
 }
 
 m3_status m3_config_preset(const char *name, m3_config *c, m3_err *e) {

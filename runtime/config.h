@@ -6,6 +6,10 @@
  *   - the VL wrapper of the released checkpoints:
  *       { "model_type": "minimax_m3_vl", "text_config": { ... }, ... }
  *   - or a bare text config: { "model_type": "minimax_m3_vl_text", ... }.
+ * Accepted model_type values: wrapper "minimax_m3_vl"; text "minimax_m3_vl_text"
+ * (the release), "minimax_m3", "minimax_m3_text" (bare exports); anything else
+ * is an error.  An optional quantization_config (top level or inside
+ * text_config) must be {"quant_method": "mxfp8", "weight_block_size": [1, 32]}.
  * Unknown keys (vision tower, token ids we do not use) are ignored; known keys
  * with values this implementation does not support are rejected with an error
  * naming the file and the field, never silently replaced by a default.

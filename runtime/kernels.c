@@ -10,19 +10,6 @@
 #include "runtime/log.h"
 #include "runtime/tuning_lookup.h"
 
-void m3_bucket_set(m3_bucket *b, const char *name, long value) {
-  for (int i = 0; i < b->n; i++)
-    if (!strcmp(b->d[i].name, name)) {
-      b->d[i].value = value;
-      return;
-    }
-  if (b->n < 4) {
-    snprintf(b->d[b->n].name, sizeof b->d[b->n].name, "%s", name);
-    b->d[b->n].value = value;
-    b->n++;
-  }
-}
-
 m3_status m3_rt_open(m3_rt *rt, int ordinal, m3_err *e) {
   memset(rt, 0, sizeof *rt);
   M3_TRY(m3_device_open(ordinal, &rt->dev, e));
@@ -66,13 +53,12 @@ m3_status m3_rt_kernel(m3_rt *rt, const m3_variant *key, const m3_bucket *bucket
   int tuned = 0;
   if (!v.n_tile) {
     char tile[512];
-    if (rt->db && m3_tuning_lookup(rt->db, &v, bucket, tile, sizeof tile)) {
+    /* A record from a neighbouring bucket is only a suggestion: the lookup
+     * re-checks it with valid() for this key and arch (known-faults #33). */
+    if (rt->db && m3_tuning_lookup_checked(rt->db, rt->jit.lua, &v, bucket, tile, sizeof tile)) {
       m3_variant t = v;
       m3_err ve;
-      /* A record from a neighbouring bucket is only a suggestion: it must
-       * still pass valid() for this key and arch (known-faults #33). */
-      if (m3_variant_parse_tile(&t, tile, &ve) == M3_OK && m3_render_canon(rt->jit.lua, &t, &ve) == M3_OK &&
-          m3_render_valid(rt->jit.lua, &t, NULL, 0, &ve) == M3_OK) {
+      if (m3_variant_parse_tile(&t, tile, &ve) == M3_OK && m3_render_canon(rt->jit.lua, &t, &ve) == M3_OK) {
         v = t;
         tuned = 1;
       }

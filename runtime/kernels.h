@@ -18,14 +18,7 @@
 #include "runtime/gpu.h"
 #include "runtime/jit.h"
 
-struct m3_tunedb;
-
-/* A shape bucket: up to 4 named integer dimensions ("tokens", "ctx", ...). */
-typedef struct m3_bucket {
-  int n;
-  struct { char name[16]; long value; } d[4];
-} m3_bucket;
-void m3_bucket_set(m3_bucket *b, const char *name, long value);
+#include "cache/tunedb.h" /* m3_bucket: the shape bucket of a launch */
 
 typedef struct m3_kernel {
   m3_variant key;         /* full key actually built (tile + arch) */

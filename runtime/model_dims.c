@@ -1,19 +1,51 @@
-/* model_dims.c - config -> template dims (see model_dims.h).
- * TEMPORARY: until runtime/config.c lands, the real MiniMax-M3 values. */
+/* model_dims.c - config -> template dims (see model_dims.h). */
 #include "runtime/model_dims.h"
 
+#include <stdio.h>
 #include <string.h>
 
-m3_status m3_model_dims_for(const char *preset, const char *model_dir, m3_dims *d, m3_err *e) {
+#include "runtime/config.h"
+
+void m3_model_dims(const m3_config *c, m3_dims *d) {
   memset(d, 0, sizeof *d);
-  if (model_dir || strcmp(preset, "minimax-m3")) return m3_errf(e, M3_NOTFOUND, "config loading not wired yet");
-  m3_dims_set(d, "nq", 64); m3_dims_set(d, "nkv", 4); m3_dims_set(d, "niq", 4);
-  m3_dims_set(d, "hd", 128); m3_dims_set(d, "rot", 64); m3_dims_set(d, "bs", 128);
-  m3_dims_set(d, "topk", 16); m3_dims_set(d, "init", 0); m3_dims_set(d, "local", 1);
-  m3_dims_set(d, "hidden", 6144); m3_dims_set(d, "vocab", 200064);
-  m3_dims_set(d, "experts", 128); m3_dims_set(d, "topk_experts", 4); m3_dims_set(d, "inter", 3072);
-  m3_dims_set(d, "dense_inter", 12288); m3_dims_set(d, "shared_inter", 3072);
-  m3_dims_set(d, "has_dense", 1); m3_dims_set(d, "has_sparse", 1);
-  m3_dims_set(d, "has_moe", 1); m3_dims_set(d, "has_dense_mlp", 1);
+  int dense = 0, sparse = 0, moe = 0, mlp = 0;
+  for (int l = 0; l < c->num_hidden_layers; l++) {
+    sparse |= c->is_sparse[l];
+    dense |= !c->is_sparse[l];
+    moe |= c->is_moe[l];
+    mlp |= !c->is_moe[l];
+  }
+  m3_dims_set(d, "nq", c->num_attention_heads);
+  m3_dims_set(d, "nkv", c->num_key_value_heads);
+  m3_dims_set(d, "niq", c->sparse_num_index_heads);
+  m3_dims_set(d, "hd", c->head_dim);
+  m3_dims_set(d, "rot", c->rotary_dim);
+  m3_dims_set(d, "bs", c->sparse_block_size);
+  m3_dims_set(d, "topk", c->sparse_topk_blocks);
+  m3_dims_set(d, "init", c->sparse_init_block);
+  m3_dims_set(d, "local", c->sparse_local_block);
+  m3_dims_set(d, "hidden", c->hidden_size);
+  m3_dims_set(d, "vocab", c->vocab_size);
+  m3_dims_set(d, "experts", c->num_local_experts);
+  m3_dims_set(d, "topk_experts", c->num_experts_per_tok);
+  m3_dims_set(d, "inter", c->intermediate_size);
+  m3_dims_set(d, "dense_inter", c->dense_intermediate_size);
+  m3_dims_set(d, "shared_inter", c->shared_intermediate_size);
+  m3_dims_set(d, "has_dense", dense);
+  m3_dims_set(d, "has_sparse", sparse);
+  m3_dims_set(d, "has_moe", moe);
+  m3_dims_set(d, "has_dense_mlp", mlp);
+}
+
+m3_status m3_model_dims_for(const char *preset, const char *model_dir, m3_dims *d, m3_err *e) {
+  m3_config c;
+  if (model_dir) {
+    char p[4200];
+    snprintf(p, sizeof p, "%s/config.json", model_dir);
+    M3_TRY(m3_config_load_file(p, &c, e));
+  } else {
+    M3_TRY(m3_config_preset(preset, &c, e));
+  }
+  m3_model_dims(&c, d);
   return M3_OK;
 }

@@ -8,6 +8,9 @@
 
 #include "gen/render.h"
 
+struct m3_config;
+void m3_model_dims(const struct m3_config *c, m3_dims *d);
+
 /* dims of a preset (model == NULL) or of DIR/config.json.  Errors: those of
  * the config loader (M3_CONFIG naming file and field, M3_NOTFOUND). */
 m3_status m3_model_dims_for(const char *preset, const char *model_dir, m3_dims *d, m3_err *e);

@@ -168,7 +168,7 @@ static m3_status parse_entry(const char *p, const char *name, const json_t *v, u
   if (!json_is_array(of) || json_array_size(of) != 2)
     return m3_errf(e, M3_FORMAT, "%s: tensor '%s': data_offsets missing or not [begin, end]", p,
                    name);
-  uint64_t b, en;
+  uint64_t b = 0, en = 0;
   for (int i = 0; i < 2; i++) {
     uint64_t x;
     int r = get_u64(json_array_get(of, (size_t)i), &x);
@@ -184,6 +184,8 @@ static m3_status parse_entry(const char *p, const char *name, const json_t *v, u
   if (b > en)
     return m3_errf(e, M3_FORMAT, "%s: tensor '%s': data_offsets [%llu, %llu] has begin > end", p,
                    name, (unsigned long long)b, (unsigned long long)en);
+  /* Order matters for the messages: a truncated file shows up as an end past
+   * the data section (37a) before the span-vs-shape check (37c) is reached. */
   if (en > data_len)
     return m3_errf(e, M3_FORMAT,
                    "%s: tensor '%s': data_offsets end %llu lies past the data section (%llu "
@@ -228,6 +230,9 @@ static m3_status open_file(m3_st *st, const char *path, m3_err *e) {
     return m3_errf(e, M3_FORMAT, "%s: file is %llu bytes, shorter than the 8-byte header length",
                    path, (unsigned long long)size);
   }
+  /* Map, don't read: checkpoints are up to ~5 GB per shard and the runtime
+   * uploads straight from the page cache.  PROT_READ makes any accidental
+   * write through a tensor pointer a fault instead of silent corruption. */
   void *m = mmap(NULL, (size_t)size, PROT_READ, MAP_PRIVATE, fd, 0);
   close(fd); /* the mapping keeps the file alive */
   if (m == MAP_FAILED) return m3_errf(e, M3_IO, "%s: mmap: %s", path, strerror(errno));
@@ -236,12 +241,17 @@ static m3_status open_file(m3_st *st, const char *path, m3_err *e) {
 
   uint64_t n = 0;
   for (int i = 7; i >= 0; i--) n = (n << 8) | f->base[i]; /* little-endian, any host */
+  /* Against the file first: a huge length (2^63, fault 37e) is most often a
+   * truncated or non-safetensors file, and that is the more useful message. */
   if (n > size - 8)
     return m3_errf(e, M3_FORMAT, "%s: header length %llu exceeds the file (%llu bytes after the "
                    "length field)", path, (unsigned long long)n, (unsigned long long)(size - 8));
   if (n > M3_ST_MAX_HEADER)
     return m3_errf(e, M3_FORMAT, "%s: header length %llu exceeds the %u-byte limit", path,
                    (unsigned long long)n, M3_ST_MAX_HEADER);
+  /* jansson rejects invalid UTF-8 and trailing garbage (but allows the
+   * writer's space padding).  Duplicate keys are rejected because a repeated
+   * tensor name would let one entry silently shadow the other. */
   json_error_t je;
   json_t *h = json_loadb((const char *)f->base + 8, (size_t)n, JSON_REJECT_DUPLICATES, &je);
   if (!h)
@@ -298,7 +308,10 @@ static m3_status open_file(m3_st *st, const char *path, m3_err *e) {
     st->nt++;
   }
   /* Overlaps and coverage: sort the non-empty ranges by begin.  An empty tensor
-   * occupies no bytes and may sit anywhere in [0, data_len]. */
+   * occupies no bytes and may sit anywhere in [0, data_len].  Two weights can
+   * never legitimately share bytes, so an overlap means a corrupt or crafted
+   * header (fault 37d); uncovered bytes are only wasted space (policy in the
+   * header: a warning). */
   qsort(spans, nspan, sizeof *spans, span_cmp);
   uint64_t covered = 0;   /* end of the union of ranges seen so far */
   size_t covered_by = 0;  /* the tensor reaching `covered` */
@@ -478,6 +491,8 @@ m3_status m3_st_open(const char *path, m3_st **out, m3_err *e) {
   } else {
     s = open_file(st, path, e);
   }
+  /* Sorted by name for m3_st_find's binary search and a stable iteration
+   * order (sharded opens sort in open_sharded, before the duplicate check). */
   if (s == M3_OK && !st->index_path) {
     qsort(st->t, st->nt, sizeof *st->t, name_cmp); /* names unique: JSON_REJECT_DUPLICATES */
   }

@@ -1,12 +1,96 @@
-/* tuning_lookup.c - TEMPORARY until cache/tunedb lands: no records. */
+/* tuning_lookup.c - the runtime's read side of the tuning DB (see
+ * tuning_lookup.h): user records for this arch and driver from
+ * <cache>/tuning/<arch>.json over the committed seed records, template hashes
+ * checked against the templates this build embeds, and a lookup whose tile is
+ * re-checked with the template's valid() before the caller uses it. */
 #include "runtime/tuning_lookup.h"
 
-struct m3_tunedb *m3_tuning_open(const char *cache_root, const m3_device *dev, m3_lua *lua) {
-  (void)cache_root; (void)dev; (void)lua;
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cache/tunedb.h"
+#include "m3config.h"
+#include "gen/render.h"
+#include "runtime/log.h"
+
+typedef struct { m3_lua *lua; char buf[32]; } hash_ctx;
+
+static const char *template_hash(void *ctx, const char *name) {
+  hash_ctx *h = ctx;
+  m3_schema s;
+  m3_err e;
+  if (m3_render_schema(h->lua, name, &s, &e) != M3_OK) return NULL;
+  snprintf(h->buf, sizeof h->buf, "%016llx", (unsigned long long)s.hash);
+  return h->buf;
+}
+
+/* The seed DB: $M3KIT_SEED_DB, else the installed copy, else the source tree's. */
+static const char *seed_path(const char *arch, char *buf, size_t n) {
+  const char *env = getenv("M3KIT_SEED_DB");
+  if (env && *env) return env;
+  const char *dirs[] = {M3_SEED_DIR, M3_SRC_SEED_DIR};
+  for (size_t i = 0; i < sizeof dirs / sizeof *dirs; i++) {
+    snprintf(buf, n, "%s/%s.json", dirs[i], arch);
+    FILE *f = fopen(buf, "r");
+    if (f) {
+      fclose(f);
+      return buf;
+    }
+  }
   return NULL;
 }
-void m3_tuning_close(struct m3_tunedb *db) { (void)db; }
+
+struct m3_tunedb *m3_tuning_open(const char *cache_root, const m3_device *dev, m3_lua *lua) {
+  m3_tunedb *db = m3_tunedb_new();
+  if (!db) return NULL;
+  char user[4200], seed[4200], drv[32];
+  snprintf(user, sizeof user, "%s/tuning/%s.json", cache_root, dev->arch);
+  snprintf(drv, sizeof drv, "%d", dev->driver_version);
+  hash_ctx hc = {.lua = lua};
+  m3_tunedb_filter f = {.arch = dev->arch, .driver_version = drv, .template_hash = template_hash, .ctx = &hc};
+  m3_tunedb_report rep;
+  m3_err e;
+  memset(&rep, 0, sizeof rep);
+  m3_status s = m3_tunedb_load(db, user, seed_path(dev->arch, seed, sizeof seed), &f, &rep, &e);
+  if (s != M3_OK) m3_warn_once("tuning DB not used (%s); kernels run with their default tiles", e.msg);
+  else if (rep.summary[0] && (rep.stale_arch || rep.stale_driver || rep.stale_template || rep.invalid))
+    m3_warn_once("%s", rep.summary);
+  else if (rep.summary[0]) m3_info("%s", rep.summary);
+  return db;
+}
+
+void m3_tuning_close(struct m3_tunedb *db) {
+  if (db) m3_tunedb_free(db);
+}
+
+typedef struct { m3_lua *lua; const m3_variant *key; } check_ctx;
+
+static int check_tile(void *ctx, const char *tile, char *reason, size_t n) {
+  check_ctx *c = ctx;
+  m3_variant v = *c->key;
+  m3_err e;
+  if (m3_variant_parse_tile(&v, tile, &e) != M3_OK || m3_render_canon(c->lua, &v, &e) != M3_OK) {
+    snprintf(reason, n, "%s", e.msg);
+    return 0;
+  }
+  return m3_render_valid(c->lua, &v, reason, n, &e) == M3_OK;
+}
+
+int m3_tuning_lookup_checked(struct m3_tunedb *db, m3_lua *lua, const m3_variant *key, const struct m3_bucket *b,
+                             char *tile, size_t n) {
+  if (!db || !b) return 0;
+  char k[M3_KEY_MAX];
+  m3_variant_print_axes(key, k, sizeof k);
+  check_ctx cc = {lua, key};
+  m3_tune_hit hit;
+  m3_err e;
+  if (m3_tunedb_lookup(db, k, key->arch, b, check_tile, &cc, &hit, &e) != M3_OK) return 0;
+  snprintf(tile, n, "%s", hit.tile);
+  return 1;
+}
+
 int m3_tuning_lookup(struct m3_tunedb *db, const m3_variant *key, const struct m3_bucket *b, char *tile, size_t n) {
   (void)db; (void)key; (void)b; (void)tile; (void)n;
-  return 0;
+  return 0; /* use m3_tuning_lookup_checked: a tile must pass valid() */
 }

@@ -17,7 +17,12 @@ struct m3_bucket;
 /* Never fails: an unreadable or stale DB is reported once and ignored. */
 struct m3_tunedb *m3_tuning_open(const char *cache_root, const m3_device *dev, m3_lua *lua);
 void m3_tuning_close(struct m3_tunedb *db);
-/* 1 and the tile text ("warps=4,hpw=1") when a record applies. */
+/* 1 and the tile text ("warps=4,hpw=1") when a record applies to `key` (with
+ * its arch) at shape `b`: exact bucket, else the nearest bucket whose tile
+ * still passes the template's valid() for this key (cache/tunedb.h rule);
+ * 0 means "use the template's default tile". */
+int m3_tuning_lookup_checked(struct m3_tunedb *db, m3_lua *lua, const m3_variant *key, const struct m3_bucket *b,
+                             char *tile, size_t n);
 int m3_tuning_lookup(struct m3_tunedb *db, const m3_variant *key, const struct m3_bucket *b, char *tile,
                      size_t n);
 
