@@ -2,6 +2,7 @@
 #include "runtime/jit.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,6 +34,8 @@ void m3_cubin_free(m3_cubin *c) {
     c->data = NULL;
   }
 }
+
+static pthread_mutex_t ms_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static double now_ms(void) {
   struct timespec t;
@@ -89,7 +92,10 @@ static m3_status compile(m3_jit *j, const m3_source *src, const char *arch, cons
   char *log = NULL;
   double t0 = now_ms();
   m3_status s = m3_nvrtc_compile(src->text, src->entry, arch, NULL, &out->data, &out->size, &log, e);
-  j->compile_ms += now_ms() - t0;
+  double dt = now_ms() - t0;
+  pthread_mutex_lock(&ms_mu);
+  j->compile_ms += dt;
+  pthread_mutex_unlock(&ms_mu);
   dump(src->entry, src->text, opts, log);
   if (s == M3_NVRTC && log) {
     char ex[4096];
@@ -112,15 +118,20 @@ m3_status m3_jit_build(m3_jit *j, const m3_variant *v, m3_cubin *out, m3_err *e)
   if (!v->arch[0] || !v->n_tile) return m3_errf(e, M3_KEY, "m3_jit_build needs a key with a tile and an @sm_XX arch");
   m3_source src;
   M3_TRY(m3_render_source(j->lua, v, &src, e));
+  m3_status s = m3_jit_build_rendered(j, v, &src, out, e);
+  m3_source_free(&src);
+  return s;
+}
+
+m3_status m3_jit_build_rendered(m3_jit *j, const m3_variant *v, const m3_source *srcp, m3_cubin *out, m3_err *e) {
+  memset(out, 0, sizeof *out);
+  const m3_source src = *srcp;
   char opts[512];
   m3_nvrtc_options(v->arch, opts, sizeof opts);
   char *keytext = NULL, hex[33];
   m3_status s = m3_cubin_key(src.key, src.text, v->arch, opts, j->nvrtc_version, j->driver_version,
                              &keytext, hex, e);
-  if (s != M3_OK) {
-    m3_source_free(&src);
-    return s;
-  }
+  if (s != M3_OK) return s;
   char path[4400], dir[4300];
   m3_cubin_path(j->cache_root, v->arch, hex, path, sizeof path);
   snprintf(dir, sizeof dir, "%s/cubin/%s", j->cache_root, v->arch);
@@ -129,12 +140,12 @@ m3_status m3_jit_build(m3_jit *j, const m3_variant *v, m3_cubin *out, m3_err *e)
   s = m3_cubin_load(path, keytext, &out->data, &out->size, &out->meta, &le);
   if (s == M3_OK) {
     out->hit = 1;
-    j->hits++;
+    __atomic_fetch_add(&j->hits, 1, __ATOMIC_RELAXED);
     goto done;
   }
   if (s == M3_CORRUPT) {
     m3_warn_once("%s; rebuilding it", le.msg);
-    j->corrupt++;
+    __atomic_fetch_add(&j->corrupt, 1, __ATOMIC_RELAXED);
     unlink(path);
   }
   if (getenv("M3KIT_NO_JIT") && strcmp(getenv("M3KIT_NO_JIT"), "0")) {
@@ -144,30 +155,29 @@ m3_status m3_jit_build(m3_jit *j, const m3_variant *v, m3_cubin *out, m3_err *e)
   int lockfd = -1;
   if (m3_mkdirs(dir, &le) != M3_OK || m3_lock(path, &lockfd, &le) != M3_OK) {
     m3_warn_once("cubin cache at %s is not usable (%s); compiling without caching", j->cache_root, le.msg);
-    j->uncached++;
+    __atomic_fetch_add(&j->uncached, 1, __ATOMIC_RELAXED);
     s = compile(j, &src, v->arch, opts, out, e);
     goto done;
   }
   /* Someone else may have published it while we waited for the lock. */
   if (m3_cubin_load(path, keytext, &out->data, &out->size, &out->meta, &le) == M3_OK) {
     out->hit = 1;
-    j->hits++;
+    __atomic_fetch_add(&j->hits, 1, __ATOMIC_RELAXED);
     m3_unlock(lockfd);
     s = M3_OK;
     goto done;
   }
   s = compile(j, &src, v->arch, opts, out, e);
   if (s == M3_OK) {
-    j->builds++;
+    __atomic_fetch_add(&j->builds, 1, __ATOMIC_RELAXED);
     if (m3_cubin_store(path, keytext, out->data, out->size, &out->meta, &le) != M3_OK) {
       m3_warn_once("cannot write the cubin cache (%s); continuing uncached", le.msg);
-      j->uncached++;
+      __atomic_fetch_add(&j->uncached, 1, __ATOMIC_RELAXED);
     }
   }
   m3_unlock(lockfd);
 done:
   free(keytext);
-  m3_source_free(&src);
   if (s != M3_OK) m3_cubin_free(out);
   return s;
 }

@@ -47,4 +47,9 @@ void m3_cubin_free(m3_cubin *c);
  * M3_NOJIT. */
 m3_status m3_jit_build(m3_jit *j, const m3_variant *v, m3_cubin *out, m3_err *e);
 
+/* The same for a source already rendered from v (no Lua involved), so that
+ * several threads may compile at once (NVRTC programs are independent; the
+ * Lua state is not thread-safe, so render first, compile in parallel). */
+m3_status m3_jit_build_rendered(m3_jit *j, const m3_variant *v, const m3_source *src, m3_cubin *out, m3_err *e);
+
 #endif

@@ -10,6 +10,5 @@
     return 2;                                                                  \
   }
 NOT_YET(cmd_run, "run")
-NOT_YET(cmd_tune, "tune")
 NOT_YET(cmd_bench, "bench")
 NOT_YET(cmd_make_checkpoint, "make-checkpoint")

@@ -1,0 +1,483 @@
+/* tune.c - the tuner's driver (see tune.h): enumerate, compile in parallel,
+ * verify, time, choose, record. */
+#include "autotune/tune.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "m3config.h"
+#include "autotune/op.h"
+#include "cache/store.h"
+#include "cache/tunedb.h"
+#include "runtime/check.h"
+#include "runtime/harness.h"
+#include "runtime/log.h"
+#include "runtime/model_dims.h"
+#include "runtime/nvrtc.h"
+
+static double now_s(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + t.tv_nsec / 1e9;
+}
+
+m3_status m3_measure_copy_gbs(m3_rt *rt, double *gbs, m3_err *e) {
+  const size_t bytes = (size_t)2 << 30;
+  void *a = NULL, *b = NULL;
+  M3_TRY(m3_dev_alloc(&a, bytes, e));
+  m3_status s = m3_dev_alloc(&b, bytes, e);
+  cudaEvent_t t0, t1;
+  float best = 1e30f;
+  if (!s && (cudaEventCreate(&t0) || cudaEventCreate(&t1))) s = m3_errf(e, M3_CUDA, "cudaEventCreate");
+  for (int i = 0; i < 6 && !s; i++) {
+    cudaEventRecord(t0, rt->stream);
+    cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, rt->stream);
+    cudaEventRecord(t1, rt->stream);
+    if (cudaEventSynchronize(t1) != cudaSuccess) s = m3_errf(e, M3_CUDA, "copy ceiling: %s", cudaGetErrorString(cudaGetLastError()));
+    float ms = 0;
+    cudaEventElapsedTime(&ms, t0, t1);
+    if (i > 0 && ms < best) best = ms; /* first is warm-up */
+  }
+  if (!s) *gbs = 2.0 * bytes / (best * 1e-3) / 1e9;
+  m3_dev_free(a);
+  m3_dev_free(b);
+  return s;
+}
+
+/* ---- parallel compilation: render on this thread, NVRTC on workers ---- */
+
+typedef struct {
+  m3_variant v;
+  m3_source src;
+  m3_status status;
+  char reason[512];
+  int rendered, done;
+} cjob;
+
+typedef struct {
+  m3_jit *jit;
+  cjob *jobs;
+  int n, next, finished;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+} cpool;
+
+static void *compile_worker(void *p) {
+  cpool *cp = p;
+  for (;;) {
+    pthread_mutex_lock(&cp->mu);
+    int i = cp->next < cp->n ? cp->next++ : -1;
+    pthread_mutex_unlock(&cp->mu);
+    if (i < 0) return NULL;
+    cjob *j = &cp->jobs[i];
+    if (j->rendered) {
+      m3_cubin cb;
+      m3_err e;
+      j->status = m3_jit_build_rendered(cp->jit, &j->v, &j->src, &cb, &e);
+      if (j->status) snprintf(j->reason, sizeof j->reason, "%.*s", (int)sizeof j->reason - 1, e.msg);
+      m3_cubin_free(&cb);
+    }
+    pthread_mutex_lock(&cp->mu);
+    j->done = 1;
+    cp->finished++;
+    pthread_cond_broadcast(&cp->cv);
+    pthread_mutex_unlock(&cp->mu);
+  }
+}
+
+/* Compile every job; jobs still running after the time-out are marked
+ * COMPILE_TIMEOUT (their threads are left to finish on their own). */
+static void compile_all(m3_jit *jit, cjob *jobs, int n, int threads, int timeout_s) {
+  cpool cp = {.jit = jit, .jobs = jobs, .n = n};
+  pthread_mutex_init(&cp.mu, NULL);
+  pthread_cond_init(&cp.cv, NULL);
+  if (threads < 1) threads = 1;
+  pthread_t *th = calloc((size_t)threads, sizeof *th);
+  for (int i = 0; i < threads; i++) pthread_create(&th[i], NULL, compile_worker, &cp);
+  /* A generous whole-batch limit: each job's own limit times the rounds. */
+  double limit = now_s() + (double)timeout_s * (1 + n / threads);
+  pthread_mutex_lock(&cp.mu);
+  while (cp.finished < n) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += 1;
+    pthread_cond_timedwait(&cp.cv, &cp.mu, &ts);
+    if (now_s() > limit) break;
+  }
+  int all = cp.finished == n;
+  for (int i = 0; i < n; i++)
+    if (!jobs[i].done) {
+      jobs[i].status = M3_TIMEOUT;
+      snprintf(jobs[i].reason, sizeof jobs[i].reason, "NVRTC did not finish within the tuner's limit");
+    }
+  pthread_mutex_unlock(&cp.mu);
+  for (int i = 0; i < threads; i++) {
+    if (all) pthread_join(th[i], NULL);
+    else pthread_detach(th[i]);
+  }
+  free(th);
+}
+
+/* ---- timing ---- */
+
+static int cmpd(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* Time one candidate: prepare (untimed) then an event-timed launch, per rep. */
+static m3_status time_candidate(m3_rt *rt, const m3_tune_op *op, void *st, const m3_kernel *k, int warmup, int reps,
+                                double best_so_far, m3_tune_candidate *c, m3_err *e) {
+  for (int i = 0; i < warmup; i++) {
+    M3_TRY(op->prepare(st, i + 1, e));
+    M3_TRY(op->launch(st, k, i + 1, e));
+  }
+  cudaEvent_t *ev = calloc((size_t)reps * 2, sizeof *ev);
+  double *us = calloc((size_t)reps, sizeof *us);
+  if (!ev || !us) {
+    free(ev);
+    free(us);
+    return m3_errf(e, M3_NOMEM, "timing");
+  }
+  m3_status s = M3_OK;
+  int made = 0, done = 0;
+  for (; made < 2 * reps && !s; made++)
+    if (cudaEventCreate(&ev[made]) != cudaSuccess) s = m3_errf(e, M3_CUDA, "cudaEventCreate");
+  /* Early stop: after a first batch, a candidate 3x slower than the best so
+   * far cannot win; skip the rest of its runs. */
+  int batch = reps < 5 ? reps : 5;
+  for (int r = 0; r < reps && !s; r++) {
+    if (!s) s = op->prepare(st, warmup + 1 + r, e);
+    if (!s && cudaEventRecord(ev[2 * r], rt->stream)) s = m3_errf(e, M3_CUDA, "cudaEventRecord");
+    if (!s) s = op->launch(st, k, warmup + 1 + r, e);
+    if (!s && cudaEventRecord(ev[2 * r + 1], rt->stream)) s = m3_errf(e, M3_CUDA, "cudaEventRecord");
+    done = r + 1;
+    if (!s && done == batch && best_so_far > 0) {
+      if (cudaStreamSynchronize(rt->stream)) {
+        s = m3_errf(e, M3_CUDA, "%s", cudaGetErrorString(cudaGetLastError()));
+        break;
+      }
+      double tmp[8];
+      for (int i = 0; i < batch; i++) {
+        float ms;
+        cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]);
+        tmp[i] = ms * 1e3;
+      }
+      qsort(tmp, (size_t)batch, sizeof *tmp, cmpd);
+      if (tmp[batch / 2] > 3 * best_so_far) break;
+    }
+  }
+  if (!s && cudaStreamSynchronize(rt->stream)) s = m3_errf(e, M3_CUDA, "%s", cudaGetErrorString(cudaGetLastError()));
+  if (!s) {
+    for (int i = 0; i < done; i++) {
+      float ms;
+      cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]);
+      us[i] = ms * 1e3;
+    }
+    qsort(us, (size_t)done, sizeof *us, cmpd);
+    c->median_us = us[done / 2];
+    c->p20_us = us[done * 2 / 10];
+    c->p80_us = us[(done * 8 / 10) < done ? done * 8 / 10 : done - 1];
+    c->n_runs = done;
+    c->disposition = done < reps ? M3_DISP_SKIPPED_SLOWER : M3_DISP_PASSED;
+  }
+  for (int i = 0; i < made; i++) cudaEventDestroy(ev[i]);
+  free(ev);
+  free(us);
+  return s;
+}
+
+/* ---- the driver ---- */
+
+typedef struct {
+  const m3_tune_op *op;
+  m3_variant key;    /* semantic part + arch */
+  m3_bucket bucket;
+  int first_cand, n_cand;
+} tjob;
+
+static void progress(FILE *f, int done, int total, double t0) {
+  if (!f || total == 0) return;
+  double el = now_s() - t0, eta = done ? el / done * (total - done) : 0;
+  int w = 30, fill = total ? done * w / total : 0;
+  fprintf(f, "\r  [%.*s%*s] %d/%d candidates  %4.0fs elapsed  ETA %4.0fs ", fill, "##############################",
+          w - fill, "", done, total, el, eta);
+  if (done == total) fputc('\n', f);
+  fflush(f);
+}
+
+static int bucket_selected(const char *shapes, const m3_bucket *b) {
+  if (!shapes || !*shapes) return 1;
+  /* "tokens=1,64;ctx=8192": every named dim of b must be listed */
+  for (int d = 0; d < b->ndims; d++) {
+    const char *p = strstr(shapes, b->dims[d].name);
+    if (!p || p[strlen(b->dims[d].name)] != '=') continue;
+    p += strlen(b->dims[d].name) + 1;
+    int hit = 0;
+    while (*p && *p != ';') {
+      long long v = strtoll(p, (char **)&p, 10);
+      if (v == b->dims[d].value) hit = 1;
+      if (*p == ',') p++;
+      else if (*p && *p != ';') break;
+    }
+    if (!hit) return 0;
+  }
+  return 1;
+}
+
+m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_err *e) {
+  memset(res, 0, sizeof *res);
+  double t_start = now_s();
+  m3_config cfg;
+  if (o->model_dir) {
+    char p[4200];
+    snprintf(p, sizeof p, "%s/config.json", o->model_dir);
+    M3_TRY(m3_config_load_file(p, &cfg, e));
+  } else {
+    M3_TRY(m3_config_preset(o->preset ? o->preset : "minimax-m3", &cfg, e));
+  }
+  m3_dims dims;
+  m3_model_dims(&cfg, &dims);
+  int reps = o->reps >= 20 ? o->reps : 20, warmup = o->warmup >= 2 ? o->warmup : 3;
+
+  /* 1. Enumerate (variant, bucket) jobs and their candidate tiles. */
+  int nj = 0, capj = 64, nc = 0, capc = 256;
+  tjob *jobs = malloc(sizeof *jobs * (size_t)capj);
+  cjob *cands = calloc((size_t)capc, sizeof *cands);
+  m3_status s = jobs && cands ? M3_OK : m3_errf(e, M3_NOMEM, "tuner");
+  for (int t = 0; m3_tune_ops[t] && !s; t++) {
+    const m3_tune_op *op = m3_tune_ops[t];
+    if (o->only && strcmp(o->only, op->template_name)) continue;
+    m3_variant *vs = NULL;
+    int nv = 0;
+    if ((s = m3_render_variants(rt->jit.lua, op->template_name, &dims, &vs, &nv, e))) break;
+    for (int i = 0; i < nv && !s; i++) {
+      snprintf(vs[i].arch, sizeof vs[i].arch, "%s", rt->dev.arch);
+      m3_bucket bs[32];
+      int nb = op->buckets(&cfg, &vs[i], bs, 32);
+      m3_variant *tiles = NULL;
+      int nt = 0;
+      if ((s = m3_render_tiles(rt->jit.lua, &vs[i], &tiles, &nt, e))) break;
+      for (int b = 0; b < nb && !s; b++) {
+        if (!bucket_selected(o->shapes, &bs[b])) continue;
+        if (nj == capj) jobs = realloc(jobs, sizeof *jobs * (size_t)(capj *= 2));
+        tjob *j = &jobs[nj++];
+        j->op = op;
+        j->key = vs[i];
+        j->bucket = bs[b];
+        j->first_cand = nc;
+        j->n_cand = 0;
+        for (int q = 0; q < nt; q++) {
+          m3_err ve;
+          char why[512];
+          if (nc == capc) {
+            cands = realloc(cands, sizeof *cands * (size_t)(capc * 2));
+            memset(cands + capc, 0, sizeof *cands * (size_t)capc);
+            capc *= 2;
+          }
+          cjob *c = &cands[nc];
+          c->v = tiles[q];
+          if (m3_render_valid(rt->jit.lua, &tiles[q], why, sizeof why, &ve) != M3_OK) {
+            c->status = M3_TILE;
+            snprintf(c->reason, sizeof c->reason, "%s", why);
+          } else if (m3_render_source(rt->jit.lua, &tiles[q], &c->src, &ve) != M3_OK) {
+            c->status = ve.code;
+            snprintf(c->reason, sizeof c->reason, "%.*s", (int)sizeof c->reason - 1, ve.msg);
+          } else {
+            c->rendered = 1;
+          }
+          nc++;
+          j->n_cand++;
+        }
+      }
+      free(tiles);
+    }
+    free(vs);
+  }
+  if (s) goto out;
+
+  /* 2. Compile every candidate in parallel, before any timing (#34). */
+  if (o->progress) fprintf(o->progress, "m3kit tune: %d shapes, %d candidates on %s (%s); compiling...\n", nj, nc,
+                           rt->dev.name, rt->dev.arch);
+  double tc = now_s();
+  long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+  compile_all(&rt->jit, cands, nc, o->jobs > 0 ? o->jobs : (int)(ncpu > 0 ? ncpu : 2),
+              o->compile_timeout_s > 0 ? o->compile_timeout_s : 60);
+  if (o->progress) fprintf(o->progress, "  compiled in %.1f s\n", now_s() - tc);
+
+  if ((s = m3_measure_copy_gbs(rt, &res->copy_gbs, e))) goto out;
+  if (o->progress) fprintf(o->progress, "  copy ceiling (read + write): %.0f GB/s\n", res->copy_gbs);
+
+  char dbp[4200];
+  if (o->db_path) snprintf(dbp, sizeof dbp, "%s", o->db_path);
+  else snprintf(dbp, sizeof dbp, "%s/tuning/%s.json", rt->jit.cache_root, rt->dev.arch);
+  {
+    char dir[4200];
+    snprintf(dir, sizeof dir, "%s", dbp);
+    char *sl = strrchr(dir, '/');
+    if (sl) *sl = 0, m3_mkdirs(dir, e);
+  }
+  m3_tunedb *db = m3_tunedb_new();
+  res->rows = calloc((size_t)(nj ? nj : 1), sizeof *res->rows);
+  if (!db || !res->rows) {
+    s = m3_errf(e, M3_NOMEM, "tuner DB");
+    goto out;
+  }
+  char drv[32], nvv[32], cbv[32], date[40];
+  snprintf(drv, sizeof drv, "%d", rt->dev.driver_version);
+  snprintf(nvv, sizeof nvv, "%d.%d", m3_nvrtc_version() / 1000, (m3_nvrtc_version() % 1000) / 10);
+  snprintf(cbv, sizeof cbv, "%d", (int)cublasGetCudartVersion());
+  m3_tunedb_now_iso(date, sizeof date);
+
+  /* 3. Per shape: verify then time each candidate; choose; record. */
+  int done = 0;
+  double t0 = now_s();
+  for (int ji = 0; ji < nj && !s; ji++) {
+    tjob *j = &jobs[ji];
+    if (o->budget_s > 0 && now_s() - t_start > o->budget_s) {
+      m3_warn("tune: budget of %.0f s reached; %d of %d shapes tuned", o->budget_s, ji, nj);
+      break;
+    }
+    void *st = NULL;
+    m3_err se;
+    m3_status ss = j->op->setup(rt, &j->key, &j->bucket, 0x6d336b6974ULL + (uint64_t)ji, &st, &se);
+    m3_tune_candidate *cs = calloc((size_t)j->n_cand, sizeof *cs);
+    char (*tiles)[128] = calloc((size_t)j->n_cand, sizeof *tiles);
+    char (*reasons)[512] = calloc((size_t)j->n_cand, sizeof *reasons);
+    m3_variant defv = j->key;
+    m3_err de;
+    char deftile[128] = "";
+    if (m3_render_default_tile(rt->jit.lua, &defv, &de) == M3_OK) m3_variant_print_tile(&defv, deftile, sizeof deftile);
+    double best = 0;
+    int best_i = -1, def_i = -1;
+    for (int q = 0; q < j->n_cand; q++) {
+      cjob *cj = &cands[j->first_cand + q];
+      m3_tune_candidate *c = &cs[q];
+      m3_variant_print_tile(&cj->v, tiles[q], sizeof tiles[q]);
+      c->tile = tiles[q];
+      c->median_us = c->p20_us = c->p80_us = NAN;
+      c->reason = NULL;
+      if (!strcmp(tiles[q], deftile)) def_i = q;
+      if (ss != M3_OK) {
+        c->disposition = M3_DISP_LAUNCH_ERROR;
+        snprintf(reasons[q], sizeof reasons[q], "setup failed: %.400s", se.msg);
+        c->reason = reasons[q];
+      } else if (cj->status == M3_TILE) {
+        c->disposition = M3_DISP_NOT_SUPPORTED;
+      } else if (cj->status == M3_TIMEOUT) {
+        c->disposition = M3_DISP_COMPILE_TIMEOUT;
+      } else if (cj->status != M3_OK) {
+        c->disposition = M3_DISP_COMPILE_ERROR;
+      } else {
+        m3_kernel *k;
+        m3_err ke;
+        char detail[512] = "";
+        m3_status ks = m3_rt_kernel(rt, &cj->v, &j->bucket, &k, &ke);
+        if (!ks) ks = j->op->prepare(st, 0, &ke);
+        if (!ks) ks = j->op->launch(st, k, 0, &ke);
+        if (!ks) ks = j->op->verify(st, detail, sizeof detail, &ke);
+        if (ks == M3_MISMATCH) {
+          c->disposition = M3_DISP_INCORRECT;
+          snprintf(reasons[q], sizeof reasons[q], "%s", detail);
+        } else if (ks != M3_OK) {
+          c->disposition = M3_DISP_LAUNCH_ERROR;
+          snprintf(reasons[q], sizeof reasons[q], "%.*s", (int)sizeof reasons[q] - 1, ke.msg);
+          cudaGetLastError(); /* clear a sticky launch error if it is not fatal */
+        } else if ((ks = time_candidate(rt, j->op, st, k, warmup, reps, best, c, &ke)) != M3_OK) {
+          c->disposition = M3_DISP_LAUNCH_ERROR;
+          snprintf(reasons[q], sizeof reasons[q], "%.*s", (int)sizeof reasons[q] - 1, ke.msg);
+        } else if (c->disposition == M3_DISP_PASSED && (best_i < 0 || c->median_us < best)) {
+          best = c->median_us;
+          best_i = q;
+        }
+        if (reasons[q][0]) c->reason = reasons[q];
+      }
+      if (!c->reason && cj->reason[0]) c->reason = cj->reason;
+      progress(o->progress, ++done, nc, t0);
+    }
+    double work = (ss == M3_OK && j->op->work) ? j->op->work(st) : 0;
+    if (ss == M3_OK) j->op->teardown(st);
+    /* The default stays unless a candidate is >= 2% faster. */
+    int choose = best_i;
+    if (def_i >= 0 && cs[def_i].disposition == M3_DISP_PASSED && best_i >= 0 &&
+        cs[best_i].median_us > 0.98 * cs[def_i].median_us)
+      choose = def_i;
+    m3_tune_row *row = &res->rows[res->n_rows];
+    snprintf(row->op, sizeof row->op, "%s", j->op->template_name);
+    m3_variant_print_axes(&j->key, row->key, sizeof row->key);
+    m3_bucket_format(&j->bucket, row->bucket, sizeof row->bucket);
+    snprintf(row->default_tile, sizeof row->default_tile, "%s", deftile);
+    snprintf(row->unit, sizeof row->unit, "%s", j->op->unit);
+    row->n_candidates = j->n_cand;
+    for (int q = 0; q < j->n_cand; q++) {
+      row->n_passed += cs[q].disposition == M3_DISP_PASSED;
+      row->n_incorrect += cs[q].disposition == M3_DISP_INCORRECT;
+      row->n_failed += cs[q].disposition == M3_DISP_COMPILE_ERROR || cs[q].disposition == M3_DISP_LAUNCH_ERROR ||
+                       cs[q].disposition == M3_DISP_COMPILE_TIMEOUT;
+    }
+    row->default_us = def_i >= 0 ? cs[def_i].median_us : NAN;
+    if (choose >= 0) {
+      snprintf(row->tile, sizeof row->tile, "%s", tiles[choose]);
+      row->tuned_us = cs[choose].median_us;
+      row->ceiling = !strcmp(j->op->unit, "GB/s") ? res->copy_gbs : 800.0;
+      row->achieved = !strcmp(j->op->unit, "GB/s") ? work / (row->tuned_us * 1e-6) / 1e9 : work / (row->tuned_us * 1e-6) / 1e12;
+      row->pct = 100.0 * row->achieved / row->ceiling;
+      char th[32];
+      m3_schema sc;
+      m3_err he;
+      if (m3_render_schema(rt->jit.lua, j->op->template_name, &sc, &he) == M3_OK)
+        snprintf(th, sizeof th, "%016llx", (unsigned long long)sc.hash);
+      else
+        snprintf(th, sizeof th, "unknown");
+      m3_tune_record r = m3_tune_record_empty();
+      r.key = row->key;
+      r.bucket = j->bucket;
+      r.arch = rt->dev.arch;
+      r.tile = tiles[choose];
+      r.default_tile = deftile;
+      r.default_us = row->default_us;
+      r.tuned_us = row->tuned_us;
+      r.prov = (m3_tune_provenance){rt->dev.name, rt->dev.sm_count, drv, nvv, cbv, th, PACKAGE_VERSION, date,
+                                    o->command ? o->command : "m3kit tune"};
+      r.metric = (m3_tune_metric){j->op->unit, row->achieved, row->ceiling, row->pct};
+      r.n_candidates = (size_t)j->n_cand;
+      r.candidates = cs;
+      m3_err pe;
+      if (m3_tunedb_put(db, &r, &pe) != M3_OK) m3_warn("tune: record for %s %s not kept: %s", row->key, row->bucket, pe.msg);
+    }
+    res->n_rows++;
+    free(cs);
+    free(tiles);
+    free(reasons);
+    /* Publish after every shape: a killed tuner keeps what it measured. */
+    m3_tunedb_report rep;
+    m3_err we;
+    if (m3_tunedb_save_merge(dbp, db, &rep, &we) != M3_OK) {
+      s = m3_errf(e, we.code, "%s", we.msg);
+      break;
+    }
+  }
+  if (db) m3_tunedb_free(db);
+out:;
+  /* A timed-out compile may still be running on a detached thread that reads
+   * its job: leave the jobs allocated then (the process ends soon after). */
+  int timed_out = 0;
+  for (int i = 0; i < nc; i++) timed_out |= cands[i].status == M3_TIMEOUT;
+  if (!timed_out) {
+    for (int i = 0; i < nc; i++) m3_source_free(&cands[i].src);
+    free(cands);
+  }
+  free(jobs);
+  res->seconds = now_s() - t_start;
+  return s;
+}
+
+void m3_tune_result_free(m3_tune_result *r) {
+  free(r->rows);
+  r->rows = NULL;
+  r->n_rows = 0;
+}

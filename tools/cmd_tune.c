@@ -1,0 +1,120 @@
+/* cmd_tune.c - `m3kit tune`: tune once per GPU, show the DB, plot it. */
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "m3config.h"
+#include "autotune/tune.h"
+#include "cache/store.h"
+#include "cache/tunedb.h"
+#include "runtime/gpu.h"
+#include "tools/cli.h"
+
+static void help(void) {
+  printf("usage: m3kit tune [options]\n\n"
+         "Search every kernel's tile space on this GPU for every variant the model needs, at the\n"
+         "shapes the runtime launches; check each candidate against the C reference; record the\n"
+         "winners with every candidate's timings in <cache>/tuning/<arch>.json.\n\n"
+         "  --preset NAME      model config preset (default minimax-m3)\n"
+         "  --model DIR        use DIR/config.json\n"
+         "  --only KERNEL      tune one template (m3kit gen --templates lists them)\n"
+         "  --shapes SPEC      restrict buckets, e.g. 'tokens=1,64'\n"
+         "  --budget SECONDS   stop starting new shapes after this long\n"
+         "  --reps N           timed launches per candidate (default 20, minimum 20)\n"
+         "  --db FILE          write this DB file instead of the cache's\n"
+         "  --show             print the tuning DB of this GPU's arch (or --arch) and exit\n"
+         "  --plot DIR         write PNG plots (gnuplot) of time against tile and exit\n"
+         "  --arch SM          arch for --show/--plot without a GPU (default: the GPU's, else sm_90)\n");
+}
+
+static int show_or_plot(const char *arch, const char *plot_dir, const char *db_path) {
+  m3_err e;
+  char path[4200];
+  if (db_path) snprintf(path, sizeof path, "%s", db_path);
+  else if (m3_tunedb_path(arch, path, sizeof path, &e) != M3_OK) return cli_fail("tune", e.code, &e);
+  m3_tunedb *db = m3_tunedb_new();
+  m3_tunedb_report rep;
+  memset(&rep, 0, sizeof rep);
+  m3_status s = m3_tunedb_load(db, path, NULL, NULL, &rep, &e);
+  if (s != M3_OK && s != M3_NOTFOUND) {
+    m3_tunedb_free(db);
+    return cli_fail("tune", s, &e);
+  }
+  printf("tuning DB %s: %zu records\n", path, m3_tunedb_count(db));
+  int rc = 0;
+  if (plot_dir) {
+    int n = 0;
+    if ((s = m3_mkdirs(plot_dir, &e)) || (s = m3_tunedb_write_plot_data(db, plot_dir, NULL, &n, &e))) rc = cli_fail("tune", s, &e);
+    else printf("wrote %d plot(s) under %s%s\n", n, plot_dir, M3_GNUPLOT[0] ? "" : " (gnuplot not found: data and scripts only)");
+  } else {
+    m3_tunedb_print(db, stdout);
+  }
+  m3_tunedb_free(db);
+  return rc;
+}
+
+int cmd_tune(int argc, char **argv) {
+  static const struct option opts[] = {{"preset", required_argument, 0, 'p'}, {"model", required_argument, 0, 'm'},
+                                       {"only", required_argument, 0, 'o'},   {"shapes", required_argument, 0, 's'},
+                                       {"budget", required_argument, 0, 'b'}, {"reps", required_argument, 0, 'r'},
+                                       {"db", required_argument, 0, 'd'},     {"show", no_argument, 0, 'S'},
+                                       {"plot", required_argument, 0, 'P'},   {"arch", required_argument, 0, 'a'},
+                                       {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
+  m3_tune_opts o = {.preset = "minimax-m3", .progress = stderr};
+  int show = 0, c;
+  const char *plot = NULL, *arch = NULL;
+  char cmdline[1024] = "m3kit";
+  for (int i = 0; i < argc; i++) {
+    size_t l = strlen(cmdline);
+    snprintf(cmdline + l, sizeof cmdline - l, " %s", argv[i]);
+  }
+  o.command = cmdline;
+  optind = 1;
+  while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+    switch (c) {
+      case 'p': o.preset = optarg; break;
+      case 'm': o.model_dir = optarg; break;
+      case 'o': o.only = optarg; break;
+      case 's': o.shapes = optarg; break;
+      case 'b': o.budget_s = atof(optarg); break;
+      case 'r': o.reps = atoi(optarg); break;
+      case 'd': o.db_path = optarg; break;
+      case 'S': show = 1; break;
+      case 'P': plot = optarg; break;
+      case 'a': arch = optarg; break;
+      case 'h': help(); return 0;
+      default: help(); return 2;
+    }
+  }
+  if (show || plot) {
+    m3_device d;
+    m3_err e;
+    if (!arch && m3_gpu_count() > 0 && m3_device_open(0, &d, &e) == M3_OK) arch = d.arch;
+    return show_or_plot(arch ? arch : "sm_90", plot, o.db_path);
+  }
+  if (m3_gpu_count() == 0) {
+    fprintf(stderr, "m3kit tune: no CUDA GPU on this machine: tuning measures kernels on the GPU, nothing was tuned.\n"
+                    "            (m3kit gen --all compiles every variant without a GPU.)\n");
+    return 3;
+  }
+  m3_rt rt;
+  m3_err e;
+  m3_status s = m3_rt_open(&rt, 0, &e);
+  if (s) return cli_fail("tune", s, &e);
+  m3_tune_result res;
+  s = m3_tune_run(&rt, &o, &res, &e);
+  printf("\n%-12s %-58s %-14s %10s %10s %7s %12s %6s  %s\n", "kernel", "variant", "shape", "default_us", "tuned_us",
+         "speedup", "achieved", "%ceil", "tile (candidates passed/incorrect/failed)");
+  for (int i = 0; i < res.n_rows; i++) {
+    m3_tune_row *r = &res.rows[i];
+    const char *k = strchr(r->key, '(');
+    printf("%-12s %-58.58s %-14s %10.2f %10.2f %6.2fx %7.0f %s %5.1f%%  %s (%d/%d/%d of %d)\n", r->op, k ? k : r->key,
+           r->bucket, r->default_us, r->tuned_us, r->default_us / r->tuned_us, r->achieved, r->unit, r->pct, r->tile,
+           r->n_passed, r->n_incorrect, r->n_failed, r->n_candidates);
+  }
+  printf("copy ceiling %.0f GB/s; %d shapes in %.1f s\n", res.copy_gbs, res.n_rows, res.seconds);
+  m3_tune_result_free(&res);
+  m3_rt_close(&rt);
+  return s ? cli_fail("tune", s, &e) : 0;
+}
