@@ -130,7 +130,7 @@ static int cmpd(const void *a, const void *b) {
 }
 
 /* Time one candidate: prepare (untimed) then an event-timed launch, per rep. */
-static m3_status time_candidate(m3_rt *rt, const m3_tune_op *op, void *st, const m3_kernel *k, int warmup, int reps,
+m3_status m3_tune_time_kernel(m3_rt *rt, const m3_tune_op *op, void *st, const m3_kernel *k, int warmup, int reps,
                                 double best_so_far, m3_tune_candidate *c, m3_err *e) {
   for (int i = 0; i < warmup; i++) {
     M3_TRY(op->prepare(st, i + 1, e));
@@ -387,7 +387,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
           c->disposition = M3_DISP_LAUNCH_ERROR;
           snprintf(reasons[q], sizeof reasons[q], "%.*s", (int)sizeof reasons[q] - 1, ke.msg);
           cudaGetLastError(); /* clear a sticky launch error if it is not fatal */
-        } else if ((ks = time_candidate(rt, j->op, st, k, warmup, reps, best, c, &ke)) != M3_OK) {
+        } else if ((ks = m3_tune_time_kernel(rt, j->op, st, k, warmup, reps, best, c, &ke)) != M3_OK) {
           c->disposition = M3_DISP_LAUNCH_ERROR;
           snprintf(reasons[q], sizeof reasons[q], "%.*s", (int)sizeof reasons[q] - 1, ke.msg);
         } else if (c->disposition == M3_DISP_PASSED && (best_i < 0 || c->median_us < best)) {

@@ -54,6 +54,15 @@ typedef struct m3_tune_result {
 m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_err *e);
 void m3_tune_result_free(m3_tune_result *r);
 
+struct m3_tune_op;
+struct m3_tune_candidate;
+/* Time kernel k through adapter op on state st: `warmup` untimed launches,
+ * then up to `reps` event-timed ones, each after an untimed prepare (restore
+ * + rotation); stops early when 3x slower than best_so_far (> 0).  Fills
+ * median/p20/p80 (µs), n_runs and PASSED or SKIPPED_SLOWER.  Errors: M3_CUDA. */
+m3_status m3_tune_time_kernel(m3_rt *rt, const struct m3_tune_op *op, void *st, const m3_kernel *k, int warmup,
+                              int reps, double best_so_far, struct m3_tune_candidate *c, m3_err *e);
+
 /* Device-to-device copy bandwidth (read + write bytes / time), GB/s. */
 m3_status m3_measure_copy_gbs(m3_rt *rt, double *gbs, m3_err *e);
 

@@ -10,5 +10,4 @@
     return 2;                                                                  \
   }
 NOT_YET(cmd_run, "run")
-NOT_YET(cmd_bench, "bench")
 NOT_YET(cmd_make_checkpoint, "make-checkpoint")

@@ -1,0 +1,30 @@
+/* bench.h - the shape of a benchmark entry of `m3kit bench`.  Each kernel
+ * family provides one function (bench/cases_*.c) that writes markdown rows
+ * with the shape, median/p20/p80 µs, the bytes or FLOPs it counted and the
+ * fraction of the ceilings measured in the same run (bc). */
+#ifndef M3_BENCH_H
+#define M3_BENCH_H
+
+#include <stdio.h>
+
+#include "runtime/kernels.h"
+#include "runtime/model_dims.h"
+#include "runtime/config.h"
+
+typedef struct m3_bench_ctx {
+  const char *preset;
+  double copy_gbs;     /* device-to-device copy, read + write, this run */
+  double gemm_tflops;  /* cuBLAS bf16 GEMM 8192^3, this run (0 if unmeasured) */
+} m3_bench_ctx;
+
+typedef m3_status (*m3_bench_fn)(m3_rt *rt, const m3_bench_ctx *bc, FILE *out, m3_err *e);
+typedef struct m3_bench_entry { const char *name; m3_bench_fn fn; } m3_bench_entry;
+
+/* cuBLAS bf16 GEMM 8192^3 TFLOP/s (runtime/gemm.c when present). */
+m3_status m3_bench_gemm_ceiling(m3_rt *rt, double *tflops, m3_err *e);
+
+/* Entries of families whose bench code exists in this build (filled in as
+ * they land). */
+#define M3_BENCH_EXTRA_ENTRIES {NULL, NULL}
+
+#endif

@@ -1,0 +1,124 @@
+/* cmd_bench.c - `m3kit bench`: every kernel against the ceilings measured in
+ * the same run (device-to-device copy; cuBLAS bf16 GEMM), written as a
+ * markdown table (default bench/results/<gpu>.md) with, per row, the command,
+ * the shape, median/p20/p80, the bytes or FLOPs counted and the fraction of
+ * the ceiling.  Kernel families contribute through bench functions that share
+ * the tests' case tables and the tuner's adapters. */
+#include <getopt.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "autotune/op.h"
+#include "autotune/tune.h"
+#include "cache/tunedb.h"
+#include "runtime/bench.h"
+#include "tools/cli.h"
+
+static void help(void) {
+  printf("usage: m3kit bench [--out FILE] [--only NAME] [--preset NAME]\n\n"
+         "Measures the copy ceiling, then every kernel family's benchmark cases (median/p20/p80 of\n"
+         "event-timed launches over rotating buffers larger than L2), and writes a markdown report.\n"
+         "  --out FILE     report path (default bench/results/h200.md when run on an H200, else stdout)\n"
+         "  --only NAME    one family: qknorm_rope, indexer, attention, ffn\n");
+}
+
+/* qk-norm + RoPE (+ insert): every variant of the preset at the tuner's
+ * token buckets, default (or tuned) tile. */
+static m3_status bench_qknorm(m3_rt *rt, const m3_bench_ctx *bc, FILE *out, m3_err *e) {
+  const m3_tune_op *op = m3_tune_op_find("qknorm_rope");
+  m3_config cfg;
+  M3_TRY(m3_config_preset(bc->preset, &cfg, e));
+  m3_dims d;
+  m3_model_dims(&cfg, &d);
+  m3_variant *vs;
+  int nv;
+  M3_TRY(m3_render_variants(rt->jit.lua, "qknorm_rope", &d, &vs, &nv, e));
+  fprintf(out, "\n## qk-norm + RoPE (+ KV / index-K insert)\n\n| variant | tokens | tile | median us | p20 | p80 | bytes | GB/s | %% of copy |\n|---|---|---|---|---|---|---|---|---|\n");
+  m3_status s = M3_OK;
+  for (int i = 0; i < nv && !s; i++) {
+    snprintf(vs[i].arch, sizeof vs[i].arch, "%s", rt->dev.arch);
+    m3_bucket bs[16];
+    int nb = op->buckets(&cfg, &vs[i], bs, 16);
+    for (int b = 0; b < nb && !s; b++) {
+      void *st;
+      m3_kernel *k;
+      if ((s = op->setup(rt, &vs[i], &bs[b], 1, &st, e))) break;
+      s = m3_rt_kernel(rt, &vs[i], &bs[b], &k, e);
+      m3_tune_candidate c = {0};
+      if (!s) s = m3_tune_time_kernel(rt, op, st, k, 5, 50, 0, &c, e);
+      if (!s) {
+        double bytes = op->work(st), gbs = bytes / (c.median_us * 1e-6) / 1e9;
+        char key[M3_KEY_MAX], tile[128];
+        m3_variant_print_axes(&vs[i], key, sizeof key);
+        m3_variant_print_tile(&k->key, tile, sizeof tile);
+        fprintf(out, "| `%s` | %lld | %s | %.2f | %.2f | %.2f | %.3g | %.0f | %.1f%% |\n", key,
+                (long long)m3_bucket_get(&bs[b], "tokens"), tile, c.median_us, c.p20_us, c.p80_us, bytes, gbs,
+                100 * gbs / bc->copy_gbs);
+        fflush(out);
+      }
+      op->teardown(st);
+    }
+  }
+  free(vs);
+  return s;
+}
+
+static const m3_bench_entry entries[] = {
+    {"qknorm_rope", bench_qknorm},
+    M3_BENCH_EXTRA_ENTRIES
+};
+
+int cmd_bench(int argc, char **argv) {
+  static const struct option opts[] = {{"out", required_argument, 0, 'o'}, {"only", required_argument, 0, 'n'},
+                                       {"preset", required_argument, 0, 'p'}, {"help", no_argument, 0, 'h'},
+                                       {0, 0, 0, 0}};
+  const char *outp = NULL, *only = NULL, *preset = "minimax-m3";
+  int c;
+  optind = 1;
+  while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+    if (c == 'o') outp = optarg;
+    else if (c == 'n') only = optarg;
+    else if (c == 'p') preset = optarg;
+    else if (c == 'h') { help(); return 0; }
+    else { help(); return 2; }
+  }
+  if (m3_gpu_count() == 0) {
+    fprintf(stderr, "m3kit bench: no CUDA GPU on this machine: nothing was measured.\n");
+    return 3;
+  }
+  m3_rt rt;
+  m3_err e;
+  m3_status s = m3_rt_open(&rt, 0, &e);
+  if (s) return cli_fail("bench", s, &e);
+  m3_bench_ctx bc = {.preset = preset};
+  if ((s = m3_measure_copy_gbs(&rt, &bc.copy_gbs, &e))) return cli_fail("bench", s, &e);
+  bc.gemm_tflops = 0;
+  m3_bench_gemm_ceiling(&rt, &bc.gemm_tflops, &e);
+  FILE *out = stdout;
+  if (outp && !(out = fopen(outp, "w"))) {
+    fprintf(stderr, "m3kit bench: cannot write %s\n", outp);
+    return 1;
+  }
+  char cmd[1024] = "m3kit";
+  for (int i = 0; i < argc; i++) snprintf(cmd + strlen(cmd), sizeof cmd - strlen(cmd), " %s", argv[i]);
+  char date[40];
+  m3_tunedb_now_iso(date, sizeof date);
+  fprintf(out, "# m3kit bench on %s (%s, %d SMs), %s\n\nCommand: `%s`\n\nCeilings measured in this run: "
+               "device-to-device copy %.0f GB/s (read + write); cuBLAS bf16 GEMM 8192^3 %.0f TFLOP/s.\n"
+               "Times are CUDA-event medians (p20, p80) over rotating input sets larger than L2.\n",
+          rt.dev.name, rt.dev.arch, rt.dev.sm_count, date, cmd, bc.copy_gbs, bc.gemm_tflops);
+  int rc = 0;
+  for (size_t i = 0; i < sizeof entries / sizeof *entries; i++) {
+    if (!entries[i].name || (only && strcmp(only, entries[i].name))) continue;
+    fprintf(stderr, "m3kit bench: %s...\n", entries[i].name);
+    if ((s = entries[i].fn(&rt, &bc, out, &e))) {
+      fprintf(out, "\n**%s failed: %s**\n", entries[i].name, e.msg);
+      rc = cli_fail("bench", s, &e);
+    }
+  }
+  if (out != stdout) fclose(out);
+  m3_rt_close(&rt);
+  return rc;
+}
