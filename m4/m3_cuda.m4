@@ -25,6 +25,7 @@ AC_DEFUN([M3_CHECK_CUDA], [
     [AC_MSG_ERROR([libcudart_static.a not found in $CUDA_LIBDIR])])
   LDFLAGS=$save_LDFLAGS; CPPFLAGS=$save_CPPFLAGS; LIBS=$save_LIBS
   CUDA_LIBS="-L$CUDA_LIBDIR -L$CUDA_LIBDIR/stubs -Wl,-rpath,$CUDA_LIBDIR -lnvrtc -lcublas -lcublasLt $CUDA_LIBDIR/libcudart_static.a -lpthread -ldl -lrt"
-  AC_SUBST([CUDA_HOME]) AC_SUBST([CUDA_CPPFLAGS]) AC_SUBST([CUDA_LIBS])
+  NVRTC_LIBS="-L$CUDA_LIBDIR -Wl,-rpath,$CUDA_LIBDIR -lnvrtc -lpthread -ldl -lrt"
+  AC_SUBST([CUDA_HOME]) AC_SUBST([CUDA_CPPFLAGS]) AC_SUBST([CUDA_LIBS]) AC_SUBST([NVRTC_LIBS])
   AC_DEFINE_UNQUOTED([M3_CUDA_HOME], ["$CUDA_HOME"], [CUDA toolkit root used at build time])
 ])

@@ -21,7 +21,26 @@ static void load(void) {
   loaded = ok;
 }
 
+static const char *alt_label, *alt_options;
+static m3_alt_compile_fn alt_compile;
+
+void m3_driver_install(const m3_driver *d, const char *label, m3_alt_compile_fn compile, const char *options) {
+  m3_drv = *d;
+  alt_label = label;
+  alt_compile = compile;
+  alt_options = options;
+  loaded = 1;
+}
+
+const char *m3_driver_label(void) { return alt_label; }
+
+m3_alt_compile_fn m3_driver_compiler(const char **options) {
+  if (options) *options = alt_options;
+  return alt_compile;
+}
+
 int m3_driver_load(void) {
+  if (alt_label) return 1;
   pthread_once(&once, load);
   return loaded;
 }

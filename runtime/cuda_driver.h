@@ -29,7 +29,21 @@ typedef struct m3_driver {
 extern m3_driver m3_drv;
 
 /* 1 when libcuda.so.1 was found and every entry point resolved (idempotent,
- * thread-safe). */
+ * thread-safe), or an alternate driver was installed. */
 int m3_driver_load(void);
+
+/* An alternate driver: the CPU emulator (emu/emu.h) installs itself from a
+ * constructor in the test programs that link it.  `compile` then replaces
+ * NVRTC in the JIT (its `options` text enters the cubin-cache key instead of
+ * NVRTC's, so emulator images never mix with cubins). */
+#include <stddef.h>
+#include <stdint.h>
+#include "runtime/status.h"
+typedef m3_status (*m3_alt_compile_fn)(const char *src, const char *entry, const char *arch, uint8_t **image,
+                                       size_t *size, char **log, m3_err *e);
+void m3_driver_install(const m3_driver *d, const char *label, m3_alt_compile_fn compile, const char *options);
+/* NULL with the real driver; else the installed driver's label. */
+const char *m3_driver_label(void);
+m3_alt_compile_fn m3_driver_compiler(const char **options);
 
 #endif

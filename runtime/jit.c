@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "cache/store.h"
+#include "runtime/cuda_driver.h"
 #include "runtime/gpu.h"
 #include "runtime/log.h"
 #include "runtime/nvrtc.h"
@@ -91,7 +92,9 @@ static m3_status compile(m3_jit *j, const m3_source *src, const char *arch, cons
                          m3_cubin *out, m3_err *e) {
   char *log = NULL;
   double t0 = now_ms();
-  m3_status s = m3_nvrtc_compile(src->text, src->entry, arch, NULL, &out->data, &out->size, &log, e);
+  m3_alt_compile_fn alt = m3_driver_compiler(NULL);
+  m3_status s = alt ? alt(src->text, src->entry, arch, &out->data, &out->size, &log, e)
+                    : m3_nvrtc_compile(src->text, src->entry, arch, NULL, &out->data, &out->size, &log, e);
   double dt = now_ms() - t0;
   pthread_mutex_lock(&ms_mu);
   j->compile_ms += dt;
@@ -127,7 +130,9 @@ m3_status m3_jit_build_rendered(m3_jit *j, const m3_variant *v, const m3_source 
   memset(out, 0, sizeof *out);
   const m3_source src = *srcp;
   char opts[512];
-  m3_nvrtc_options(v->arch, opts, sizeof opts);
+  const char *alt_opts = NULL;
+  if (m3_driver_compiler(&alt_opts)) snprintf(opts, sizeof opts, "%s", alt_opts);
+  else m3_nvrtc_options(v->arch, opts, sizeof opts);
   char *keytext = NULL, hex[33];
   m3_status s = m3_cubin_key(src.key, src.text, v->arch, opts, j->nvrtc_version, j->driver_version,
                              &keytext, hex, e);

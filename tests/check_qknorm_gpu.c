@@ -100,7 +100,11 @@ static void run(m3_qkr_args a, opts_t o) {
   memset(qo_ref, 0xff, sizeof(m3_bf16) * N * a.nq * hd);
   memset(iqo_ref, 0xff, (size_t)N * (a.niq ? a.niq : 1) * hd * ixb);
 
-  m3_ref_qknorm_rope(&a, qkv_ref, w[0], w[1], a.niq ? w[2] : NULL, a.niq ? w[3] : NULL, o.toy ? h_toy : h_tab, pos,
+  /* The reference reads the table for every row; a padding row's position
+   * may be anything (2^31-1 in #5), and its results are discarded below. */
+  int64_t *ref_pos = malloc(sizeof *ref_pos * N);
+  for (int t = 0; t < N; t++) ref_pos[t] = (a.insert && slot[t] < 0) || pos[t] < 0 || pos[t] >= maxpos ? 0 : pos[t];
+  m3_ref_qknorm_rope(&a, qkv_ref, w[0], w[1], a.niq ? w[2] : NULL, a.niq ? w[3] : NULL, o.toy ? h_toy : h_tab, ref_pos,
                      a.insert ? slot : NULL, a.insert ? islot : NULL, kv_ref, ix_ref, o.q_out ? qo_ref : NULL,
                      o.iq_out ? iqo_ref : NULL);
   /* The kernel's contract differs from the reference's on purpose (ops.h):
@@ -175,8 +179,11 @@ static void run(m3_qkr_args a, opts_t o) {
     if (a.niq) compare("index_cache", g_ix + ioff * ixb, ix_ref + ioff * ixb, ix_elems - ioff, a.idx_e4m3, ctx);
   }
   /* Nothing at all below page_base, and nothing without insert. */
-  for (size_t i = 0; i < (a.insert ? (size_t)o.page_base * a.nkv * bs * 2 * hd * kvb : kv_elems * kvb); i++)
-    ck_assert_msg(g_kv[i] == 0xff, "%s: kv_cache byte %zu written outside the mapped pages", ctx, i);
+  /* (one assertion for the whole range: check records every passing assert) */
+  size_t lim = a.insert ? (size_t)o.page_base * a.nkv * bs * 2 * hd * kvb : kv_elems * kvb, stray = lim;
+  for (size_t i = 0; i < lim && stray == lim; i++)
+    if (g_kv[i] != 0xff) stray = i;
+  ck_assert_msg(stray == lim, "%s: kv_cache byte %zu written outside the mapped pages", ctx, stray);
   if (o.q_result) {
     for (int t = 0; t < N; t++)
       memcpy(o.q_result + (size_t)t * row, o.q_out ? g_qo + (size_t)t * a.nq * hd : g_qkv + (size_t)t * row,
@@ -188,7 +195,7 @@ static void run(m3_qkr_args a, opts_t o) {
 
   m3_dev_free(d_qkv); m3_dev_free(d_w); m3_dev_free(d_pos); m3_dev_free(d_slot); m3_dev_free(d_islot);
   m3_dev_free(d_kv); m3_dev_free(d_ix); m3_dev_free(d_qo); m3_dev_free(d_iqo);
-  free(qkv); free(qkv_ref); free(pos); free(slot); free(islot); free(perm); free(perm2);
+  free(qkv); free(qkv_ref); free(pos); free(ref_pos); free(slot); free(islot); free(perm); free(perm2);
   free(kv_ref); free(ix_ref); free(qo_ref); free(iqo_ref);
   free(g_qkv); free(g_qo); free(g_kv); free(g_ix); free(g_iqo);
 }
@@ -197,6 +204,7 @@ static const int Ts[] = {1, 7, 128, 4096};
 
 START_TEST(every_variant_every_T) {
   int vi = _i / 4, T = Ts[_i % 4];
+  if (m3_test_emulated() && T > 128) return; /* the CPU emulator: small shapes */
   run(variant_args(vi, T), (opts_t){.pad_every = 7, .q_out = 1, .iq_out = 1});
 }
 END_TEST
@@ -217,6 +225,7 @@ START_TEST(every_valid_tile_same_answer) {
   snprintf(v.arch, sizeof v.arch, "%s", g_rt.dev.arch);
   ck_assert_int_eq(m3_render_tiles(g_rt.jit.lua, &v, &tiles, &n, &e), M3_OK);
   int ran = 0;
+  if (m3_test_emulated()) a.n_tokens = 9;
   for (int i = 0; i < n; i++) {
     if (m3_render_valid(g_rt.jit.lua, &tiles[i], NULL, 0, &e) != M3_OK) continue;
     char t[256];
@@ -291,6 +300,7 @@ END_TEST
 
 /* known-faults #15: pages past 2 GiB of cache are addressed in 64 bits. */
 START_TEST(cache_offsets_past_2GiB) {
+  if (m3_test_emulated()) return; /* 18 GB of host memory: GPU only */
   m3_qkr_args a = variant_args(_i ? 8 : 4, 130);
   run(a, (opts_t){.q_out = 1, .iq_out = 1, .page_base = 70000});
 }

@@ -1,6 +1,8 @@
 -- templates/lib/prelude.lua - device helpers pasted into every generated source.
 -- The generated source includes no headers at all (not even CUDA's), so the
--- rendered text alone identifies the cubin.  bf16 travels as its 16-bit
+-- rendered text alone identifies the cubin.  Every inline-PTX helper has a
+-- plain C twin under #ifndef __CUDA_ARCH__: the CPU emulator (emu/) compiles
+-- the same source with g++ so that CI runs every kernel against its reference.  bf16 travels as its 16-bit
 -- pattern (unsigned short), e4m3 as a byte; conversions follow the spec's
 -- rounding contract: round-to-nearest-even, e4m3 saturating at +-448 (§10.7).
 local P = {}
@@ -13,9 +15,15 @@ typedef long long i64;
 
 M3_DEV float bf16_to_f32(bf16_t h) { return __uint_as_float(((unsigned)h) << 16); }
 M3_DEV bf16_t f32_to_bf16(float f) {
+#ifdef __CUDA_ARCH__
   unsigned short r;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
   return r;
+#else /* the CPU emulator (emu/): round to nearest even, quiet NaN */
+  unsigned u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
+  return (bf16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#endif
 }
 M3_DEV float warp_sum(float v) {
 #pragma unroll
@@ -72,9 +80,13 @@ M3_DEV float e4m3_to_f32(e4m3_t b) {
 }
 ]]
 
--- The e4m3 block suited to an arch.
+-- The e4m3 block suited to an arch.  The hardware path is compiled only by
+-- NVRTC (__CUDA_ARCH__); the CPU emulator always takes the software path,
+-- which gives the same bits (known-faults #17 table).
 function P.e4m3(arch)
-  if m3.sm(arch) >= 89 then return P.e4m3_hw end
+  if m3.sm(arch) >= 89 then
+    return "#ifdef __CUDA_ARCH__\n" .. P.e4m3_hw .. "#else\n" .. P.e4m3_sw .. "#endif\n"
+  end
   return P.e4m3_sw
 end
 
