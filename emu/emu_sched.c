@@ -207,9 +207,8 @@ int m3emu_launch(m3emu_entry fn, m3emu_dim3 grid, m3emu_dim3 block, void **args,
           }
         }
         if (S.failed) {
-          char m[600];
-          snprintf(m, sizeof m, "%s (block %u,%u,%u)", S.err, bx, by, bz);
-          snprintf(S.err, sizeof S.err, "%s", m);
+          size_t l = strlen(S.err);
+          snprintf(S.err + l, sizeof S.err - l, " (block %u,%u,%u)", bx, by, bz);
           return -1;
         }
       }
