@@ -1,0 +1,16 @@
+#!/bin/sh
+# pack-device.sh [BUILD_DIR] - copy the programs a GPU session needs into .dev/
+# (git-ignored; name it in the device tool's `carry`).  Everything m3kit links
+# statically except the CUDA toolkit libraries, which the GPU machine has, and
+# libcuda, which is loaded at run time; so binaries built here run there.
+set -eu
+cd "$(dirname "$0")/.."
+b=${1:-build}
+mkdir -p .dev
+cp "$b/m3kit" .dev/
+for t in "$b"/tests/check_*_gpu; do
+  [ -x "$t" ] && cp "$t" .dev/
+done
+cp bench/device-run.sh .dev/
+[ -f bench/baseline_torch.py ] && cp bench/baseline_torch.py .dev/
+du -sh .dev
