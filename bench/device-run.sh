@@ -16,10 +16,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv |
 if has tests; then
   for t in ./check_*_gpu; do
     [ -x "$t" ] || continue
-    start=$(date +%s.%N)
+    start=$(date +%s)
     timeout 300 "$t" > "$OUT/$(basename "$t").log" 2>&1
     rc=$?
-    log "$(basename "$t") rc=$rc $(tail -n 1 "$OUT/$(basename "$t").log" | cut -c1-160) ($(echo "$(date +%s.%N) - $start" | bc) s)"
+    log "$(basename "$t") rc=$rc $(tail -n 1 "$OUT/$(basename "$t").log" | cut -c1-160) ($(( $(date +%s) - start )) s)"
   done
 fi
 if has sanitize; then

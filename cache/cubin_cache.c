@@ -96,6 +96,18 @@ static int meta_line(const char *text, const char *name, char *out, size_t n) {
   return 1;
 }
 
+/* A metadata number: decimal digits only, at most 9 of them (so no int
+ * overflow), as m3_cubin_store writes it.  atoi() accepted "128junk" and
+ * wrapped "4294967424" to 128, loading an entry under a launch configuration
+ * its text does not say.  Found by fuzz/fuzz_cubin.c; regression inputs
+ * fuzz/corpus/cubin/regress-threads-*.cubin. */
+static int meta_int(const char *s, int *out) {
+  size_t n = strlen(s);
+  if (n == 0 || n > 9 || strspn(s, "0123456789") != n) return 0;
+  *out = (int)strtol(s, NULL, 10);
+  return 1;
+}
+
 m3_status m3_cubin_load(const char *path, const char *keytext, uint8_t **cubin, size_t *size,
                         m3_cubin_meta *meta, m3_err *e) {
   *cubin = NULL;
@@ -133,11 +145,9 @@ m3_status m3_cubin_load(const char *path, const char *keytext, uint8_t **cubin, 
     if (!meta_line(hdr, "entry", meta->entry, sizeof meta->entry) || !meta_line(hdr, "threads", th, sizeof th) ||
         !meta_line(hdr, "smem", sm, sizeof sm))
       why = "missing launch metadata";
-    else {
-      meta->threads = atoi(th);
-      meta->smem = atoi(sm);
-      if (meta->threads <= 0 || meta->threads > 1024 || meta->smem < 0) why = "bad launch metadata";
-    }
+    else if (!meta_int(th, &meta->threads) || !meta_int(sm, &meta->smem) || meta->threads <= 0 ||
+             meta->threads > 1024)
+      why = "bad launch metadata";
     free(hdr);
   }
   if (why) {

@@ -46,14 +46,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
  * exit.  One per process, so libFuzzer's -jobs/-fork workers never share. */
 static char fuzz_dir_buf[256];
 
-static void fuzz_rm_tree_files(const char *dir) {
+static inline void fuzz_rm_tree_files(const char *dir) {
   DIR *d = opendir(dir);
   if (!d) return;
   struct dirent *de;
   char p[600];
   while ((de = readdir(d))) {
     if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
-    snprintf(p, sizeof p, "%s/%s", dir, de->d_name);
+    if (snprintf(p, sizeof p, "%s/%s", dir, de->d_name) >= (int)sizeof p) continue;
     struct stat st;
     if (lstat(p, &st) == 0 && S_ISDIR(st.st_mode)) {
       fuzz_rm_tree_files(p);
@@ -65,14 +65,14 @@ static void fuzz_rm_tree_files(const char *dir) {
   closedir(d);
 }
 
-static void fuzz_dir_cleanup(void) {
+static inline void fuzz_dir_cleanup(void) {
   if (fuzz_dir_buf[0]) {
     fuzz_rm_tree_files(fuzz_dir_buf);
     rmdir(fuzz_dir_buf);
   }
 }
 
-static const char *fuzz_dir(void) {
+static inline const char *fuzz_dir(void) {
   if (fuzz_dir_buf[0]) return fuzz_dir_buf;
   struct stat st;
   const char *base = stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode) && access("/dev/shm", W_OK) == 0
@@ -89,10 +89,10 @@ static const char *fuzz_dir(void) {
 
 /* Empty the scratch directory between inputs (a previous input's shard must
  * not satisfy this input's index). */
-static void fuzz_dir_clear(void) { fuzz_rm_tree_files(fuzz_dir()); }
+static inline void fuzz_dir_clear(void) { fuzz_rm_tree_files(fuzz_dir()); }
 
 /* Write `n` bytes to <scratch>/<name>; the path goes to buf. */
-static void fuzz_write(const char *name, const void *data, size_t n, char *buf, size_t bn) {
+static inline void fuzz_write(const char *name, const void *data, size_t n, char *buf, size_t bn) {
   snprintf(buf, bn, "%s/%s", fuzz_dir(), name);
   int fd = open(buf, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) {
@@ -114,12 +114,20 @@ static void fuzz_write(const char *name, const void *data, size_t n, char *buf, 
 
 /* A NUL-terminated copy (the text parsers take C strings; an embedded NUL
  * simply ends the text, as it would for a file read by m3_read_file). */
-static char *fuzz_strndup(const uint8_t *data, size_t n) {
+static inline char *fuzz_strndup(const uint8_t *data, size_t n) {
   char *s = malloc(n + 1);
   if (!s) abort();
   memcpy(s, data, n);
   s[n] = 0;
   return s;
+}
+
+/* M3KIT_FUZZ_VERBOSE=1: each harness prints what the parser said, so a
+ * replay shows which seeds are accepted and why the others are refused. */
+static inline void fuzz_note(const char *what, m3_status s, const char *msg) {
+  static int verbose = -1;
+  if (verbose < 0) verbose = getenv("M3KIT_FUZZ_VERBOSE") && *getenv("M3KIT_FUZZ_VERBOSE");
+  if (verbose) fprintf(stderr, "%s: %s%s%.300s\n", what, m3_status_name(s), s ? ": " : "", s ? msg : "");
 }
 
 /* ---- identities shared with fuzz/make_seeds.c ---------------------------- */

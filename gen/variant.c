@@ -66,6 +66,14 @@ static m3_status parse_fields(const char *text, const char **pp, char close, m3_
 
 m3_status m3_variant_parse(const char *text, m3_variant *v, m3_err *e) {
   memset(v, 0, sizeof *v);
+  /* Every consumer prints keys into M3_KEY_MAX buffers (render, the kernel
+   * memo, the symbol hash) and would silently truncate a longer one, so two
+   * keys differing only after that point would name one kernel.  The field
+   * limits alone allow ~4 KB, hence this check.  Found while writing
+   * fuzz/fuzz_variant.c; regression input fuzz/corpus/variant/regress-long-key. */
+  size_t len = strnlen(text, M3_KEY_MAX);
+  if (len >= M3_KEY_MAX)
+    return m3_errf(e, M3_KEY, "key '%.60s...' is longer than %d characters", text, M3_KEY_MAX - 1);
   const char *p = text;
   while (*p && *p != '(') p++;
   if (*p != '(' || !name_ok(text, (size_t)(p - text)))
@@ -76,6 +84,13 @@ m3_status m3_variant_parse(const char *text, m3_variant *v, m3_err *e) {
   if (*p == '[') {
     p++;
     M3_TRY(parse_fields(text, &p, ']', v->tile, &v->n_tile, "tile", e));
+    /* An empty tile part "[]" would print back without its brackets
+     * (n_tile == 0 means "no tile part"), breaking parse(print(k)) == k and
+     * giving one kernel two spellings.  Found by fuzz/fuzz_variant.c;
+     * regression input fuzz/corpus/variant/regress-empty-tile. */
+    if (v->n_tile == 0)
+      return m3_errf(e, M3_KEY, "key '%s': empty tile part '[]' at column %d (omit it for the default tile)", text,
+                     (int)(p - text) - 1);
   }
   if (*p == '@') {
     p++;
@@ -139,6 +154,20 @@ static long to_long(const char *s, long fallback) {
 long m3_variant_axis_int(const m3_variant *v, const char *name, long fb) { return to_long(m3_variant_axis(v, name), fb); }
 long m3_variant_tile_int(const m3_variant *v, const char *name, long fb) { return to_long(m3_variant_tilev(v, name), fb); }
 
+static m3_status set(m3_field *f, int *nf, const char *name, const char *value, m3_err *e);
+
+/* The same length bound as m3_variant_parse, for keys built field by field:
+ * set on a copy, and keep it only if the printed key still fits. */
+static m3_status set_bounded(m3_variant *v, int tile, const char *name, const char *value, m3_err *e) {
+  m3_variant t = *v;
+  M3_TRY(tile ? set(t.tile, &t.n_tile, name, value, e) : set(t.axes, &t.n_axes, name, value, e));
+  char buf[M3_KEY_MAX];
+  if (m3_variant_print(&t, buf, sizeof buf) >= sizeof buf)
+    return m3_errf(e, M3_KEY, "setting %s=%s makes the key longer than %d characters", name, value, M3_KEY_MAX - 1);
+  *v = t;
+  return M3_OK;
+}
+
 static m3_status set(m3_field *f, int *nf, const char *name, const char *value, m3_err *e) {
   if (!name_ok(name, strlen(name)) || strlen(value) == 0 || strlen(value) >= M3_VAR_VALUE)
     return m3_errf(e, M3_KEY, "bad field %s=%s", name, value);
@@ -157,10 +186,10 @@ static m3_status set(m3_field *f, int *nf, const char *name, const char *value, 
 }
 
 m3_status m3_variant_set_axis(m3_variant *v, const char *name, const char *value, m3_err *e) {
-  return set(v->axes, &v->n_axes, name, value, e);
+  return set_bounded(v, 0, name, value, e);
 }
 m3_status m3_variant_set_tile(m3_variant *v, const char *name, const char *value, m3_err *e) {
-  return set(v->tile, &v->n_tile, name, value, e);
+  return set_bounded(v, 1, name, value, e);
 }
 
 m3_status m3_variant_parse_tile(m3_variant *v, const char *tile_text, m3_err *e) {
@@ -169,8 +198,12 @@ m3_status m3_variant_parse_tile(m3_variant *v, const char *tile_text, m3_err *e)
   if (n < 0 || (size_t)n >= sizeof buf) return m3_errf(e, M3_KEY, "tile text too long");
   m3_variant t;
   M3_TRY(m3_variant_parse(buf, &t, e));
-  v->n_tile = t.n_axes;
-  memcpy(v->tile, t.axes, sizeof t.axes);
+  m3_variant r = *v; /* keep v unchanged unless the whole key still fits */
+  r.n_tile = t.n_axes;
+  memcpy(r.tile, t.axes, sizeof t.axes);
+  if (m3_variant_print(&r, buf, sizeof buf) >= sizeof buf)
+    return m3_errf(e, M3_KEY, "tile '%.60s' makes the key longer than %d characters", tile_text, M3_KEY_MAX - 1);
+  *v = r;
   return M3_OK;
 }
 
