@@ -48,80 +48,6 @@ m3_status m3_measure_copy_gbs(m3_rt *rt, double *gbs, m3_err *e) {
   return s;
 }
 
-/* ---- parallel compilation: render on this thread, NVRTC on workers ---- */
-
-typedef struct {
-  m3_variant v;
-  m3_source src;
-  m3_status status;
-  char reason[512];
-  int rendered, done;
-} cjob;
-
-typedef struct {
-  m3_jit *jit;
-  cjob *jobs;
-  int n, next, finished;
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-} cpool;
-
-static void *compile_worker(void *p) {
-  cpool *cp = p;
-  for (;;) {
-    pthread_mutex_lock(&cp->mu);
-    int i = cp->next < cp->n ? cp->next++ : -1;
-    pthread_mutex_unlock(&cp->mu);
-    if (i < 0) return NULL;
-    cjob *j = &cp->jobs[i];
-    if (j->rendered) {
-      m3_cubin cb;
-      m3_err e;
-      j->status = m3_jit_build_rendered(cp->jit, &j->v, &j->src, &cb, &e);
-      if (j->status) snprintf(j->reason, sizeof j->reason, "%.*s", (int)sizeof j->reason - 1, e.msg);
-      m3_cubin_free(&cb);
-    }
-    pthread_mutex_lock(&cp->mu);
-    j->done = 1;
-    cp->finished++;
-    pthread_cond_broadcast(&cp->cv);
-    pthread_mutex_unlock(&cp->mu);
-  }
-}
-
-/* Compile every job; jobs still running after the time-out are marked
- * COMPILE_TIMEOUT (their threads are left to finish on their own). */
-static void compile_all(m3_jit *jit, cjob *jobs, int n, int threads, int timeout_s) {
-  cpool cp = {.jit = jit, .jobs = jobs, .n = n};
-  pthread_mutex_init(&cp.mu, NULL);
-  pthread_cond_init(&cp.cv, NULL);
-  if (threads < 1) threads = 1;
-  pthread_t *th = calloc((size_t)threads, sizeof *th);
-  for (int i = 0; i < threads; i++) pthread_create(&th[i], NULL, compile_worker, &cp);
-  /* A generous whole-batch limit: each job's own limit times the rounds. */
-  double limit = now_s() + (double)timeout_s * (1 + n / threads);
-  pthread_mutex_lock(&cp.mu);
-  while (cp.finished < n) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_sec += 1;
-    pthread_cond_timedwait(&cp.cv, &cp.mu, &ts);
-    if (now_s() > limit) break;
-  }
-  int all = cp.finished == n;
-  for (int i = 0; i < n; i++)
-    if (!jobs[i].done) {
-      jobs[i].status = M3_TIMEOUT;
-      snprintf(jobs[i].reason, sizeof jobs[i].reason, "NVRTC did not finish within the tuner's limit");
-    }
-  pthread_mutex_unlock(&cp.mu);
-  for (int i = 0; i < threads; i++) {
-    if (all) pthread_join(th[i], NULL);
-    else pthread_detach(th[i]);
-  }
-  free(th);
-}
-
 /* ---- timing ---- */
 
 static int cmpd(const void *a, const void *b) {
@@ -247,7 +173,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
   /* 1. Enumerate (variant, bucket) jobs and their candidate tiles. */
   int nj = 0, capj = 64, nc = 0, capc = 256;
   tjob *jobs = malloc(sizeof *jobs * (size_t)capj);
-  cjob *cands = calloc((size_t)capc, sizeof *cands);
+  m3_jit_job *cands = calloc((size_t)capc, sizeof *cands);
   m3_status s = jobs && cands ? M3_OK : m3_errf(e, M3_NOMEM, "tuner");
   for (int t = 0; m3_tune_ops[t] && !s; t++) {
     const m3_tune_op *op = m3_tune_ops[t];
@@ -279,7 +205,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
             memset(cands + capc, 0, sizeof *cands * (size_t)capc);
             capc *= 2;
           }
-          cjob *c = &cands[nc];
+          m3_jit_job *c = &cands[nc];
           c->v = tiles[q];
           if (m3_render_valid(rt->jit.lua, &tiles[q], why, sizeof why, &ve) != M3_OK) {
             c->status = M3_TILE;
@@ -305,7 +231,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
                            rt->dev.name, rt->dev.arch);
   double tc = now_s();
   long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-  compile_all(&rt->jit, cands, nc, o->jobs > 0 ? o->jobs : (int)(ncpu > 0 ? ncpu : 2),
+  m3_jit_build_many(&rt->jit, cands, nc, o->jobs > 0 ? o->jobs : (int)(ncpu > 0 ? ncpu : 2),
               o->compile_timeout_s > 0 ? o->compile_timeout_s : 60);
   if (o->progress) fprintf(o->progress, "  compiled in %.1f s\n", now_s() - tc);
 
@@ -355,7 +281,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
     double best = 0;
     int best_i = -1, def_i = -1;
     for (int q = 0; q < j->n_cand; q++) {
-      cjob *cj = &cands[j->first_cand + q];
+      m3_jit_job *cj = &cands[j->first_cand + q];
       m3_tune_candidate *c = &cs[q];
       m3_variant_print_tile(&cj->v, tiles[q], sizeof tiles[q]);
       c->tile = tiles[q];

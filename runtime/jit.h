@@ -52,4 +52,22 @@ m3_status m3_jit_build(m3_jit *j, const m3_variant *v, m3_cubin *out, m3_err *e)
  * Lua state is not thread-safe, so render first, compile in parallel). */
 m3_status m3_jit_build_rendered(m3_jit *j, const m3_variant *v, const m3_source *src, m3_cubin *out, m3_err *e);
 
+/* One job of m3_jit_build_many: fill v (full key) and src (rendered), set
+ * rendered = 1; jobs with rendered = 0 are skipped (status kept). */
+typedef struct m3_jit_job {
+  m3_variant v;
+  m3_source src;
+  m3_status status;     /* M3_OK, the build's error, or M3_TIMEOUT */
+  char reason[512];     /* the error message when status != M3_OK */
+  int rendered, done;
+  int hit;              /* came from the cubin cache */
+  size_t size;          /* image bytes */
+} m3_jit_job;
+
+/* Build every rendered job on `threads` workers through the cubin cache.
+ * Jobs still running after about timeout_s per round are marked M3_TIMEOUT
+ * and left to finish on detached threads: keep `jobs` allocated then (any job
+ * with status M3_TIMEOUT). */
+void m3_jit_build_many(m3_jit *j, m3_jit_job *jobs, int n, int threads, int timeout_s);
+
 #endif

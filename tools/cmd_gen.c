@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "gen/render.h"
 #include "runtime/jit.h"
@@ -26,6 +27,7 @@ static void help(void) {
       "                         through the cubin cache; with --every-tile, every valid tile too\n"
       "  --arch LIST            SM archs, comma separated (default sm_90), e.g. sm_80,sm_90a,sm_120\n"
       "  --preset NAME          model config preset (default minimax-m3); --model DIR reads DIR/config.json\n"
+      "  -j, --jobs N           parallel NVRTC compilations for --all (default: all cores)\n"
       "  --help\n\n"
       "KEY is a variant key, e.g. 'qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=e4m3,nq=64,nkv=4,niq=4,hd=128,rot=64,bs=128)'\n"
       "optionally followed by a tile '[warps=4,hpw=1]' and an arch '@sm_90'.\n");
@@ -68,11 +70,12 @@ int cmd_gen(int argc, char **argv) {
       {"tiles", required_argument, 0, 't'}, {"all", no_argument, 0, 'a'},
       {"every-tile", no_argument, 0, 'E'},  {"arch", required_argument, 0, 'A'},
       {"preset", required_argument, 0, 'p'},{"model", required_argument, 0, 'm'},
+      {"jobs", required_argument, 0, 'j'},
       {"help", no_argument, 0, 'h'},        {0, 0, 0, 0}};
-  int action = 'l', every = 0, c;
+  int action = 'l', every = 0, c, jobs_n = (int)sysconf(_SC_NPROCESSORS_ONLN);
   const char *key = NULL, *archs = "sm_90", *preset = "minimax-m3", *model = NULL;
   optind = 1;
-  while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "hj:", opts, NULL)) != -1) {
     switch (c) {
       case 'l': case 'T': case 'a': action = c; break;
       case 'e': case 'c': case 't': action = c; key = optarg; break;
@@ -80,6 +83,7 @@ int cmd_gen(int argc, char **argv) {
       case 'A': archs = optarg; break;
       case 'p': preset = optarg; break;
       case 'm': model = optarg; break;
+      case 'j': jobs_n = atoi(optarg) > 0 ? atoi(optarg) : 1; break;
       case 'h': help(); return 0;
       default: help(); return 2;
     }
@@ -151,7 +155,8 @@ int cmd_gen(int argc, char **argv) {
       rc = cli_fail("gen", s, &e);
       goto out;
     }
-    int total = 0, compiled = 0, hits = 0, invalid = 0;
+    int total = 0, compiled = 0, hits = 0, invalid = 0, njobs = 0, capjobs = 0;
+    m3_jit_job *jobs = NULL;
     double t0 = now_s();
     const char *ap = archs;
     while (*ap) {
@@ -184,27 +189,48 @@ int cmd_gen(int argc, char **argv) {
           for (int q = 0; q < nt && rc == 0; q++) {
             m3_err ve;
             if (m3_render_valid(j.lua, &tl[q], NULL, 0, &ve) != M3_OK) { invalid++; continue; }
-            m3_cubin cb;
-            if ((s = m3_jit_build(&j, &tl[q], &cb, &e)) != M3_OK) { rc = cli_fail("gen", s, &e); break; }
-            total++;
-            cb.hit ? hits++ : compiled++;
-            if (m3_log_verbose() || !every) {
-              char full[M3_KEY_MAX];
-              m3_variant_print(&tl[q], full, sizeof full);
-              printf("  ok  %-7s %6zu B  %s\n", cb.hit ? "cached" : "built", cb.size, full);
+            if (njobs == capjobs) {
+              capjobs = capjobs ? capjobs * 2 : 64;
+              jobs = realloc(jobs, sizeof *jobs * (size_t)capjobs);
             }
-            m3_cubin_free(&cb);
+            m3_jit_job *jb = &jobs[njobs];
+            memset(jb, 0, sizeof *jb);
+            jb->v = tl[q];
+            if ((s = m3_render_source(j.lua, &tl[q], &jb->src, &e)) != M3_OK) { rc = cli_fail("gen", s, &e); break; }
+            jb->rendered = 1;
+            njobs++;
           }
           free(tl);
         }
         free(vs);
       }
     }
+    if (rc == 0 && njobs) {
+      m3_jit_build_many(&j, jobs, njobs, jobs_n, 120);
+      for (int q = 0; q < njobs; q++) {
+        char full[M3_KEY_MAX];
+        m3_variant_print(&jobs[q].v, full, sizeof full);
+        if (jobs[q].status != M3_OK) {
+          fprintf(stderr, "m3kit gen: %s: %s\n", full, jobs[q].reason);
+          rc = 1;
+          continue;
+        }
+        total++;
+        jobs[q].hit ? hits++ : compiled++;
+        if (m3_log_verbose() || !every) printf("  ok  %-7s %6zu B  %s\n", jobs[q].hit ? "cached" : "built", jobs[q].size, full);
+      }
+      int timed_out = 0;
+      for (int q = 0; q < njobs; q++) timed_out |= jobs[q].status == M3_TIMEOUT;
+      if (!timed_out) {
+        for (int q = 0; q < njobs; q++) m3_source_free(&jobs[q].src);
+        free(jobs);
+      }
+    }
     if (rc) ;
     else if (action == 'l') printf("%d variants\n", total);
     else
-      printf("%d kernels for %s: %d compiled, %d from the cubin cache, %d tiles rejected by valid(); %.1f s\n",
-             total, archs, compiled, hits, invalid, now_s() - t0);
+      printf("%d kernels for %s: %d compiled, %d from the cubin cache, %d tiles rejected by valid(); %.1f s on %d threads\n",
+             total, archs, compiled, hits, invalid, now_s() - t0, jobs_n);
   }
 out:
   m3_jit_close(&j);
