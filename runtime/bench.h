@@ -23,8 +23,5 @@ typedef struct m3_bench_entry { const char *name; m3_bench_fn fn; } m3_bench_ent
 /* cuBLAS bf16 GEMM 8192^3 TFLOP/s (runtime/gemm.c when present). */
 m3_status m3_bench_gemm_ceiling(m3_rt *rt, double *tflops, m3_err *e);
 
-/* Entries of families whose bench code exists in this build (filled in as
- * they land). */
-#define M3_BENCH_EXTRA_ENTRIES {NULL, NULL}
 
 #endif
