@@ -12,7 +12,7 @@
  * The parsers under test read files, not buffers (mmap for safetensors,
  * m3_read_file for the rest), and the brief is not to restructure them, so
  * the input is written to a file first.  /dev/shm keeps that at memory speed
- * (tens of thousands of executions per second); $TMPDIR is the fallback.
+ * (thousands of executions per second under ASan); $TMPDIR is the fallback.
  */
 #ifndef M3_FUZZ_H
 #define M3_FUZZ_H
