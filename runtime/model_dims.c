@@ -35,6 +35,10 @@ void m3_model_dims(const m3_config *c, m3_dims *d) {
   m3_dims_set(d, "has_sparse", sparse);
   m3_dims_set(d, "has_moe", moe);
   m3_dims_set(d, "has_dense_mlp", mlp);
+  /* SwiGLU-OAI constants travel in keys in millionths (templates/swiglu.lua). */
+  m3_dims_set(d, "swiglu_alpha_e6", (long)(c->swiglu_alpha * 1e6 + 0.5));
+  m3_dims_set(d, "swiglu_limit_e6", (long)(c->swiglu_limit * 1e6 + 0.5));
+  m3_dims_set(d, "swiglu_beta_e6", (long)(c->swiglu_beta * 1e6 + 0.5));
 }
 
 m3_status m3_model_dims_for(const char *preset, const char *model_dir, m3_dims *d, m3_err *e) {

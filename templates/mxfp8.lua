@@ -1,0 +1,365 @@
+-- templates/mxfp8.lua - linear layers straight from the stored weights
+-- (spec §8, §10.1), two ops:
+--   dequant  MXFP8 -> bf16: out = bf16(e4m3 * 2^(E8M0 - 127)), exact
+--            (m3_ref_mxfp8_dequant bit for bit; NaN codes stay NaN);
+--   gemv     y[t, r] = sum_c x[t, c] * W[r, c], fp32 accumulation, for the
+--            bandwidth-bound decode shapes (n <= 8 tokens): W8A16 (MXFP8
+--            weights read as e4m3 + E8M0, never dequantised to memory), W16A16
+--            (bf16 weights: batch-1 decode is bandwidth-bound and cuBLAS's GEMV
+--            is often slower), and fp32 weights (the fp32 router, §7.2).
+--            moe=1 reads each (token, expert) pair's weight through a pointer
+--            table indexed by the routed expert id (grid.y = pair), so all the
+--            chosen experts of a decode step stream in one launch.
+--
+-- GEMV design (memory-bound): each warp owns `rpw` rows; lane l streams the
+-- 16-byte chunks l, l+32, ... of each row (512 contiguous bytes per warp and
+-- row per step, `unroll` steps of loads in flight before first use), so every
+-- weight byte is read once with 16-byte coalesced non-L1-allocating loads.
+-- x is staged once per CTA into shared memory as fp32 (bank-conflict
+-- swizzled), shared by all rows of the CTA and all `rpw` rows of a warp.
+-- e4m3 is decoded with integer ops only (no conversion-pipe instructions):
+-- byte b -> float bits sign<<31 | (b & 0x7f)<<20, i.e. the value x 2^-120,
+-- exact for normals and subnormals; the 2^120 is folded into the staged x
+-- (x * 2^64, exact) and the block scale (x 2^56 x 2^(s-127)), keeping every
+-- product a normal fp32 number.  Each 16-weight partial sum is scaled by its
+-- E8M0 block scale (a power of two, exact), so the result is a bf16 GEMM with
+-- the dequantised weight up to fp32 summation order (tests: rel. L2 <= 1e-2
+-- against m3_ref_gemm_w8a16).  Preconditions of the e4m3 path: |x| < 2^64
+-- and no e4m3 NaN codes (0x7F/0xFF) in the weight (quantisers saturate; the
+-- GEMV would read them as +-480).
+local P = m3.include("lib/prelude")
+local F = m3.include("lib/ffn")
+
+local T = {}
+T.name = "mxfp8"
+T.axes = {
+  {"op", {"dequant", "gemv"}},
+  {"w", {"e4m3", "bf16", "f32"}},   -- weight storage; e4m3 = MXFP8 (E8M0 scale per 32 along a row)
+  {"out", {"bf16", "f32"}},         -- y dtype (f32: router logits)
+  {"cols", "int"},                  -- reduction length (in_features)
+  {"nmax", {1, 2, 4, 8}},           -- most tokens per launch (accumulators are compile-time)
+  {"moe", {0, 1}},                  -- per-pair expert weights through a pointer table
+}
+T.tiles = {
+  {"warps", {2, 4, 8, 16}},         -- warps per CTA
+  {"rpw", {1, 2, 4}},               -- rows per warp (x reuse from shared memory)
+  {"unroll", {1, 2, 4}},            -- 16-byte steps of loads in flight per row
+}
+
+-- Opt-in dynamic shared memory per block, by SM generation.
+local function smem_limit(arch)
+  local sm = m3.sm(arch)
+  if sm >= 120 then return 101376 end
+  if sm >= 90 then return 232448 end
+  if sm == 80 or sm == 87 then return 166912 end
+  return 101376
+end
+
+local function gemv_smem(k) return k.nmax * k.cols * 4 end
+
+function T.valid(k, t, arch)
+  if m3.sm(arch) < 80 then return false, "needs sm_80+" end
+  if k.cols < 1 then return false, "cols must be positive" end
+  if k.op == "dequant" then
+    if k.w ~= "e4m3" or k.out ~= "bf16" or k.nmax ~= 1 or k.moe ~= 0 then
+      return false, "dequant is e4m3 -> bf16 only: use w=e4m3, out=bf16, nmax=1, moe=0"
+    end
+    if k.cols % 32 ~= 0 then return false, "MXFP8 rows are blocks of 32: cols % 32 must be 0" end
+    if t.rpw ~= 1 or t.unroll ~= 1 then return false, "dequant uses only the warps tile: rpw=1, unroll=1" end
+    return true
+  end
+  if k.w == "e4m3" and k.cols % 32 ~= 0 then return false, "MXFP8 rows are blocks of 32: cols % 32 must be 0" end
+  if k.cols % 8 ~= 0 then return false, "cols % 8 must be 0 (16-byte staging of x)" end
+  if k.w == "e4m3" and k.out ~= "bf16" then return false, "W8A16 writes bf16 (out=bf16)" end
+  if k.moe == 1 and k.nmax ~= 1 then return false, "the MoE GEMV runs one token per (token, expert) pair: nmax=1" end
+  if gemv_smem(k) > smem_limit(arch) then
+    return false, string.format("staging x needs nmax x cols x 4 = %d B of shared memory > %d on %s",
+                                gemv_smem(k), smem_limit(arch), arch)
+  end
+  if t.rpw * k.nmax > 32 then return false, "rpw x nmax > 32 accumulators per lane" end
+  if t.rpw * t.unroll > 8 then return false, "rpw x unroll > 8 loads in flight per lane (registers)" end
+  return true
+end
+
+function T.default_tile(k, arch)
+  if k.op == "dequant" then return {warps = 8, rpw = 1, unroll = 1} end
+  if k.w == "f32" then return {warps = 4, rpw = 1, unroll = 4} end
+  return {warps = 8, rpw = 2, unroll = 2}
+end
+
+function T.variants(c)
+  local out, seen = {}, {}
+  local function add(op, w, o, cols, moe)
+    if not cols or cols < 1 then return end
+    local id = table.concat({op, w, o, cols, moe}, ",")
+    if seen[id] then return end
+    seen[id] = true
+    out[#out + 1] = {op = op, w = w, out = o, cols = cols, nmax = 1, moe = moe}
+  end
+  local H, O = c.hidden, (c.nq or 0) * (c.hd or 0)
+  -- W8A16 decode GEMVs of the MXFP8 checkpoint (batch 1; larger batches
+  -- compile their nmax at first use).
+  add("gemv", "e4m3", "bf16", H, 0)                         -- qkv(+index), shared/dense gate|up
+  add("gemv", "e4m3", "bf16", O, 0)                         -- o_proj
+  if c.has_dense_mlp ~= 0 then add("gemv", "e4m3", "bf16", c.dense_inter, 0) end
+  if c.has_moe ~= 0 then
+    add("gemv", "e4m3", "bf16", c.shared_inter, 0)          -- shared expert down
+    add("gemv", "e4m3", "bf16", H, 1)                       -- routed experts gate|up
+    add("gemv", "e4m3", "bf16", c.inter, 1)                 -- routed experts down
+    add("gemv", "f32", "f32", H, 0)                         -- fp32 router
+  end
+  add("gemv", "bf16", "f32", H, 0)                          -- lm_head (bf16 in both releases) -> fp32 logits
+  -- Dequantisation for the prefill path (cuBLAS on bf16).
+  for _, cols in ipairs({H, O, c.dense_inter, c.inter, c.shared_inter}) do
+    add("dequant", "e4m3", "bf16", cols, 0)
+  end
+  return out
+end
+
+local dequant_body = [==[
+#define COLS $cols
+#define THREADS $threads
+#define CPR (COLS / 16)
+
+M3_DEV float e8m0_to_f32(u32 s) {
+  return s == 0u ? __uint_as_float(0x00400000u) : (s == 255u ? __uint_as_float(0x7fc00000u) : __uint_as_float(s << 23));
+}
+M3_DEV u32 dq2(u32 v, int k, float sf) {   /* bytes k, k+1 of v -> two bf16 */
+  return pack_bf16(fmul_rn(e4m3_to_f32((e4m3_t)(v >> (8 * k))), sf),
+                   fmul_rn(e4m3_to_f32((e4m3_t)(v >> (8 * k + 8))), sf));
+}
+
+/* q [rows, COLS] e4m3, scale [rows, COLS/32] E8M0, out [rows, COLS] bf16. */
+extern "C" __global__ void __launch_bounds__(THREADS)
+$sym(const unsigned char *__restrict__ q, const unsigned char *__restrict__ scale,
+     bf16_t *__restrict__ out, long long rows) {
+  const long long c = (long long)blockIdx.x * THREADS + threadIdx.x;   /* 16-element chunk */
+  if (c >= rows * CPR) return;
+  const long long row = c / CPR;
+  const int k = (int)(c - row * CPR);
+  const uint4 v = ld16_stream(q + c * 16);
+  const float sf = e8m0_to_f32(scale[row * (COLS / 32) + (k >> 1)]);
+  uint4 a, b;
+  a.x = dq2(v.x, 0, sf); a.y = dq2(v.x, 2, sf); a.z = dq2(v.y, 0, sf); a.w = dq2(v.y, 2, sf);
+  b.x = dq2(v.z, 0, sf); b.y = dq2(v.z, 2, sf); b.z = dq2(v.w, 0, sf); b.w = dq2(v.w, 2, sf);
+  st16(out + c * 16, a);
+  st16(out + c * 16 + 8, b);
+}
+]==]
+
+local gemv_body = [==[
+#define WFMT $wfmt            /* 0 e4m3 (MXFP8), 1 bf16, 2 fp32 */
+#define OUT_F32 $outf32
+#define COLS $cols
+#define NMAX $nmax
+#define MOE $moe
+#define WARPS $warps
+#define RPW $rpw
+#define UNROLL $unroll
+#define EPC (WFMT == 0 ? 16 : (WFMT == 1 ? 8 : 4))   /* weights per 16-byte chunk */
+#define CPR (COLS / EPC)                             /* chunks per row */
+#define STEPS ((CPR + 31) / 32)
+#define SUB (EPC / 4)                                /* float4s of x per chunk */
+#define X4 (COLS / 4)                                /* float4s per staged token */
+
+/* Staged x slot of logical float4 i of chunk c.  Lane l reads chunk c = l
+ * (mod 32); without the XOR the 8 lanes of a 16-byte shared-memory phase hit
+ * the same bank group 4 ways (e4m3) or 2 ways (bf16). */
+M3_DEV int xslot(int c, int i) {
+#if SUB == 4
+  return 4 * c + (i ^ ((c >> 1) & 3));
+#elif SUB == 2
+  return 2 * c + (i ^ ((c >> 2) & 1));
+#else
+  return c + 0 * i;
+#endif
+}
+
+#if WFMT == 0
+M3_DEV float e8m0_to_f32(u32 s) {
+  return s == 0u ? __uint_as_float(0x00400000u) : (s == 255u ? __uint_as_float(0x7fc00000u) : __uint_as_float(s << 23));
+}
+/* Byte k of v as an fp32 of value e4m3 x 2^-120 (see the file comment). */
+M3_DEV float e4m3_raw(u32 v, int k) {
+  return __uint_as_float((u32)(((int)(v << (24 - 8 * k))) >> 4) & 0x87f00000u);
+}
+M3_DEV float dot_chunk(uint4 q, const float *xv) {
+  float a = 0.0f, b = 0.0f;
+  const u32 w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+    a = ffma_rn(xv[4 * j + 0], e4m3_raw(w[j], 0), a);
+    b = ffma_rn(xv[4 * j + 1], e4m3_raw(w[j], 1), b);
+    a = ffma_rn(xv[4 * j + 2], e4m3_raw(w[j], 2), a);
+    b = ffma_rn(xv[4 * j + 3], e4m3_raw(w[j], 3), b);
+  }
+  return a + b;
+}
+#elif WFMT == 1
+M3_DEV float dot_chunk(uint4 q, const float *xv, float acc) {
+  acc = ffma_rn(xv[0], bf16lo(q.x), acc); acc = ffma_rn(xv[1], bf16hi(q.x), acc);
+  acc = ffma_rn(xv[2], bf16lo(q.y), acc); acc = ffma_rn(xv[3], bf16hi(q.y), acc);
+  acc = ffma_rn(xv[4], bf16lo(q.z), acc); acc = ffma_rn(xv[5], bf16hi(q.z), acc);
+  acc = ffma_rn(xv[6], bf16lo(q.w), acc); acc = ffma_rn(xv[7], bf16hi(q.w), acc);
+  return acc;
+}
+#else
+M3_DEV float dot_chunk(uint4 q, const float *xv, float acc) {
+  acc = ffma_rn(xv[0], __uint_as_float(q.x), acc); acc = ffma_rn(xv[1], __uint_as_float(q.y), acc);
+  acc = ffma_rn(xv[2], __uint_as_float(q.z), acc); acc = ffma_rn(xv[3], __uint_as_float(q.w), acc);
+  return acc;
+}
+#endif
+
+/* Non-MoE: x [n, COLS] bf16 (n <= NMAX), w [rows, COLS] (+ ws [rows, COLS/32]
+ * E8M0 for e4m3), y [n, rows].  MoE: pair p = blockIdx.y uses expert ids[p] (in [0, n_tab)),
+ * weight w_tab[ids[p]] (+ ws_tab[ids[p]]), x row p / xdiv (xdiv = top-k for
+ * the gate|up GEMV of token rows, 1 for the down GEMV of pair rows), and
+ * writes y row p.  y is bf16 or fp32 (OUT_F32). */
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+$sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned char *__restrict__ ws,
+     const void *const *__restrict__ w_tab, const unsigned char *const *__restrict__ ws_tab,
+     const int *__restrict__ ids, int n_tab, int xdiv, void *__restrict__ y, int n, int rows) {
+  DYN_SMEM(float4, xs4);   /* [NMAX][X4] */
+  const int p = MOE ? (int)blockIdx.y : 0;
+  const int ntok = MOE ? 1 : n;
+  const unsigned char *wb;
+  const unsigned char *sb = 0;
+  if (MOE) {
+    const int ex = ids[p];
+    if (ex < 0 || ex >= n_tab) return;   /* the whole CTA: never index the table with a bad id; y row p stays */
+    wb = (const unsigned char *)w_tab[ex];
+    if (WFMT == 0) sb = ws_tab[ex];
+  } else {
+    wb = (const unsigned char *)w;
+    sb = ws;
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row0 = ((int)blockIdx.x * WARPS + warp) * RPW;
+#ifdef __CUDA_ARCH__
+  /* Start this warp's first weight lines toward L2 while x is being staged:
+   * the staging latency then overlaps the first HBM reads (a hint only). */
+#pragma unroll
+  for (int u = 0; u < UNROLL; u++)
+#pragma unroll
+    for (int r = 0; r < RPW; r++) {
+      const int c = u * 32 + lane;
+      if (c < CPR && row0 + r < rows)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(wb + ((long long)(row0 + r) * CPR + c) * 16));
+    }
+#endif
+  const bf16_t *xb = MOE ? x + (long long)(p / xdiv) * COLS : x;
+  const float xscale = WFMT == 0 ? 0x1p64f : 1.0f;   /* exact; see the file comment */
+  for (int i = threadIdx.x; i < ntok * (COLS / 8); i += WARPS * 32) {
+    const int t = i / (COLS / 8), g = i - t * (COLS / 8);
+    const uint4 v = ld16(xb + (long long)t * COLS + g * 8);
+    float4 a, b;
+    a.x = bf16lo(v.x) * xscale; a.y = bf16hi(v.x) * xscale; a.z = bf16lo(v.y) * xscale; a.w = bf16hi(v.y) * xscale;
+    b.x = bf16lo(v.z) * xscale; b.y = bf16hi(v.z) * xscale; b.z = bf16lo(v.w) * xscale; b.w = bf16hi(v.w) * xscale;
+    const int f0 = 2 * g, f1 = 2 * g + 1;
+    xs4[t * X4 + xslot(f0 / SUB, f0 % SUB)] = a;
+    xs4[t * X4 + xslot(f1 / SUB, f1 % SUB)] = b;
+  }
+  __syncthreads();
+  if (row0 >= rows) return;
+  float acc[RPW][NMAX];
+#pragma unroll
+  for (int r = 0; r < RPW; r++)
+#pragma unroll
+    for (int t = 0; t < NMAX; t++) acc[r][t] = 0.0f;
+
+#pragma unroll 1
+  for (int s0 = 0; s0 < STEPS; s0 += UNROLL) {
+    uint4 q[UNROLL][RPW];
+#if WFMT == 0
+    float sf[UNROLL][RPW];
+#endif
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+      const int c = (s0 + u) * 32 + lane;
+#pragma unroll
+      for (int r = 0; r < RPW; r++) {
+        const int row = row0 + r;
+        q[u][r].x = q[u][r].y = q[u][r].z = q[u][r].w = 0u;
+#if WFMT == 0
+        sf[u][r] = 0.0f;
+#endif
+        if (c < CPR && row < rows) {
+          q[u][r] = ld16_stream(wb + ((long long)row * CPR + c) * 16);
+#if WFMT == 0
+          sf[u][r] = e8m0_to_f32(__ldg(sb + (long long)row * (COLS / 32) + (c >> 1)));
+#endif
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+      const int c = (s0 + u) * 32 + lane;
+      if (c < CPR) {
+#pragma unroll
+        for (int t = 0; t < NMAX; t++) {
+          if (t < ntok) {
+            float xv[EPC];
+#pragma unroll
+            for (int i = 0; i < SUB; i++) {
+              const float4 f = xs4[t * X4 + xslot(c, i)];
+              xv[4 * i + 0] = f.x; xv[4 * i + 1] = f.y; xv[4 * i + 2] = f.z; xv[4 * i + 3] = f.w;
+            }
+#pragma unroll
+            for (int r = 0; r < RPW; r++) {
+#if WFMT == 0
+              /* x 2^56 then x 2^(s-127) on the 16-weight partial: exact
+               * power-of-two scalings, in two steps so that no large scale
+               * overflows on its own; unread rows carry q = 0, sf = 0. */
+              acc[r][t] = ffma_rn(fmul_rn(dot_chunk(q[u][r], xv), 0x1p56f), sf[u][r], acc[r][t]);
+#else
+              acc[r][t] = dot_chunk(q[u][r], xv, acc[r][t]);
+#endif
+            }
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < RPW; r++)
+#pragma unroll
+    for (int t = 0; t < NMAX; t++)
+      if (t < ntok) acc[r][t] = warp_sum(acc[r][t]);
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < RPW; r++) {
+      const int row = row0 + r;
+      if (row >= rows) break;
+#pragma unroll
+      for (int t = 0; t < NMAX; t++) {
+        if (t >= ntok) break;
+        const long long at = (long long)(MOE ? p : t) * rows + row;
+#if OUT_F32
+        ((float *)y)[at] = acc[r][t];
+#else
+        ((bf16_t *)y)[at] = f32_to_bf16(acc[r][t]);
+#endif
+      }
+    }
+  }
+}
+]==]
+
+function T.render(k, t, arch, sym)
+  local src, threads, smem
+  threads = t.warps * 32
+  if k.op == "dequant" then
+    src = F.subst("mxfp8", dequant_body, {cols = k.cols, threads = threads, sym = sym})
+    smem = 0
+  else
+    src = F.subst("mxfp8", gemv_body, {
+      wfmt = ({e4m3 = 0, bf16 = 1, f32 = 2})[k.w], outf32 = k.out == "f32" and 1 or 0, cols = k.cols,
+      nmax = k.nmax, moe = k.moe, warps = t.warps, rpw = t.rpw, unroll = t.unroll, sym = sym,
+    })
+    smem = gemv_smem(k)
+  end
+  return {source = P.all(arch) .. F.base .. src, threads = threads, smem = smem}
+end
+
+return T

@@ -1,0 +1,159 @@
+-- templates/rmsnorm.lua - Gemma RMSNorm over a hidden-sized row (spec §2.2,
+-- §2.3), alone (input_layernorm of layer 0, the final norm after an explicit
+-- add) or fused with the residual add (vLLM's gemma_fused_add_rmsnorm, §10.2).
+-- One CTA per row; the row stays in registers between the sum of squares and
+-- the scaling, so x (and the residual) are read once and written once.
+-- Matches m3_ref_rmsnorm / m3_ref_add_rmsnorm: the add is rounded to bf16 and
+-- the norm reads that ROUNDED residual; r = 1/sqrtf(ss/n + eps) and
+-- x*r*(1+w) with the references' roundings (only the fp32 sum of squares is
+-- ordered differently, so outputs agree to within 1 bf16 ulp).
+local P = m3.include("lib/prelude")
+local F = m3.include("lib/ffn")
+
+local T = {}
+T.name = "rmsnorm"
+T.axes = {
+  {"add", {0, 1}},        -- 1: residual = bf16(x + residual), then normalise it
+  {"f32copy", {0, 1}},    -- 1: also write float(y) for the fp32 router GEMM (§7.2)
+  {"n", "int"},           -- row length (hidden size)
+}
+T.tiles = {
+  {"threads", {64, 128, 256, 512, 768, 1024}},
+}
+
+-- 16-byte vectors when the row allows it, else one element per access.
+local function vec(k) return (k.n % 8 == 0) and 8 or 1 end
+local MAX_REG = 64  -- fp32 row values held per thread (register budget)
+
+local function per_thread(k, t)
+  local chunks = k.n // vec(k)
+  return (chunks + t.threads - 1) // t.threads
+end
+
+function T.valid(k, t, arch)
+  if m3.sm(arch) < 80 then return false, "needs sm_80+ (bf16 cvt)" end
+  if k.n < 1 then return false, "row length n must be positive" end
+  if k.n >= (1 << 24) then return false, "n must be < 2^24 (exact as a float divisor)" end
+  if per_thread(k, t) * vec(k) > MAX_REG then
+    return false, string.format("a row of %d needs %d values per thread at %d threads (max %d in registers)",
+                                k.n, per_thread(k, t) * vec(k), t.threads, MAX_REG)
+  end
+  return true
+end
+
+function T.default_tile(k, arch)
+  for _, th in ipairs({256, 512, 1024, 128, 768, 64}) do
+    if T.valid(k, {threads = th}, arch) then return {threads = th} end
+  end
+  return {threads = 256}
+end
+
+function T.variants(c)
+  local out = {}
+  if c.hidden and c.hidden > 0 then
+    out[#out + 1] = {add = 0, f32copy = 0, n = c.hidden}   -- layer 0 input norm
+    out[#out + 1] = {add = 1, f32copy = 0, n = c.hidden}   -- input norms, final norm
+    if c.has_moe ~= 0 then
+      out[#out + 1] = {add = 1, f32copy = 1, n = c.hidden} -- post-attention norm of MoE layers
+    end
+  end
+  return out
+end
+
+local body = [==[
+#define N $n
+#define VEC $vec
+#define CHUNKS (N / VEC)
+#define THREADS $threads
+#define PER ((CHUNKS + THREADS - 1) / THREADS)
+#define ADD $add
+#define F32COPY $f32copy
+
+M3_DEV void load_vec(const bf16_t *p, float *v) {
+#if VEC == 8
+  uint4 u = ld16(p);
+  v[0] = bf16lo(u.x); v[1] = bf16hi(u.x); v[2] = bf16lo(u.y); v[3] = bf16hi(u.y);
+  v[4] = bf16lo(u.z); v[5] = bf16hi(u.z); v[6] = bf16lo(u.w); v[7] = bf16hi(u.w);
+#else
+  v[0] = bf16_to_f32(*p);
+#endif
+}
+M3_DEV void store_vec(bf16_t *p, const float *v) {
+#if VEC == 8
+  uint4 u;
+  u.x = pack_bf16(v[0], v[1]); u.y = pack_bf16(v[2], v[3]);
+  u.z = pack_bf16(v[4], v[5]); u.w = pack_bf16(v[6], v[7]);
+  st16(p, u);
+#else
+  *p = f32_to_bf16(v[0]);
+#endif
+}
+
+/* x [rows, N] bf16 (may alias y); residual [rows, N] bf16 in/out (add=1);
+ * w [N] bf16 Gemma offset; y [rows, N] bf16; y32 [rows, N] fp32 (f32copy=1). */
+extern "C" __global__ void __launch_bounds__(THREADS)
+$sym(const bf16_t *x, bf16_t *__restrict__ residual, const bf16_t *__restrict__ w, bf16_t *y,
+     float *__restrict__ y32, long long n_rows, float eps) {
+  __shared__ float red[32];
+  const long long row = blockIdx.x;
+  if (row >= n_rows) return;
+  const bf16_t *xr = x + row * N;
+  float v[PER][VEC];
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < PER; i++) {
+    const int c = threadIdx.x + i * THREADS;
+#pragma unroll
+    for (int j = 0; j < VEC; j++) v[i][j] = 0.0f;
+    if (c < CHUNKS) {
+      load_vec(xr + c * VEC, v[i]);
+#if ADD
+      /* The new residual stream, rounded once; the norm reads this rounded
+       * value (m3_ref_add_rmsnorm, §12.10 choice). */
+      bf16_t *rr = residual + row * N + c * VEC;
+      float r[VEC];
+      load_vec(rr, r);
+#pragma unroll
+      for (int j = 0; j < VEC; j++) v[i][j] = round_bf16(fadd_rn(v[i][j], r[j]));
+      store_vec(rr, v[i]);
+#endif
+#pragma unroll
+      for (int j = 0; j < VEC; j++) ss = ffma_rn(v[i][j], v[i][j], ss);
+    }
+  }
+  ss = block_sum_once(ss, red);
+  const float rs = fdiv_rn(1.0f, fsqrt_rn(fadd_rn(fdiv_rn(ss, (float)N), eps)));
+#pragma unroll
+  for (int i = 0; i < PER; i++) {
+    const int c = threadIdx.x + i * THREADS;
+    if (c < CHUNKS) {
+      float wv[VEC], o[VEC];
+      load_vec(w + c * VEC, wv);
+#pragma unroll
+      for (int j = 0; j < VEC; j++) o[j] = fmul_rn(fmul_rn(v[i][j], rs), fadd_rn(1.0f, wv[j]));
+      store_vec(y + row * N + c * VEC, o);
+#if F32COPY
+      float *o32 = y32 + row * N + c * VEC;
+#if VEC == 8
+      float4 a, b;
+      a.x = round_bf16(o[0]); a.y = round_bf16(o[1]); a.z = round_bf16(o[2]); a.w = round_bf16(o[3]);
+      b.x = round_bf16(o[4]); b.y = round_bf16(o[5]); b.z = round_bf16(o[6]); b.w = round_bf16(o[7]);
+      ((float4 *)o32)[0] = a;
+      ((float4 *)o32)[1] = b;
+#else
+      o32[0] = round_bf16(o[0]);
+#endif
+#endif
+    }
+  }
+}
+]==]
+
+function T.render(k, t, arch, sym)
+  local src = F.subst("rmsnorm", body, {
+    n = k.n, vec = vec(k), threads = t.threads, add = k.add, f32copy = k.f32copy, sym = sym,
+  })
+  return {source = P.all(arch) .. F.base .. src, threads = t.threads, smem = 0}
+end
+
+return T
