@@ -453,19 +453,22 @@ START_TEST(launch_rejects_bad_arguments) {
   m3_attn_args a = prob_args(&p);
   m3_seq_batch b = {p.n_seqs, p.d_seq_lens, (const int32_t *)((char *)p.d_bt_alloc + 4096), p.bt_stride, p.pages,
                     p.d_token_seq, p.d_pos};
+  /* Plan as on the H200 (132 SMs) so decode splits and needs a workspace,
+   * also on the emulator's 4 SMs. */
+  const int sms = 132;
   m3_variant v;
   m3_err e;
   m3_kernel *k;
   ck_assert_int_eq(m3_attn_dense_key(&a, M3_ATTN_DECODE, &v, &e), M3_OK);
   GPU_CHECK(m3_rt_kernel(&g_rt, &v, NULL, &k, &e_));
-  ck_assert_uint_gt(m3_attn_workspace_bytes(k, &a, p.max_kv_len, g_rt.dev.sm_count), 0);
-  ck_assert_int_eq(m3_launch_attn_dense(k, &a, &b, p.max_kv_len, g_rt.dev.sm_count, p.d_q, p.d_kv, p.d_out, NULL, 0,
+  ck_assert_uint_gt(m3_attn_workspace_bytes(k, &a, p.max_kv_len, sms), 0);
+  ck_assert_int_eq(m3_launch_attn_dense(k, &a, &b, p.max_kv_len, sms, p.d_q, p.d_kv, p.d_out, NULL, 0,
                                         g_rt.stream, &e), M3_INVAL);
   m3_attn_args bad = a;
   bad.kv_e4m3 = 1;
-  ck_assert_int_eq(m3_launch_attn_dense(k, &bad, &b, p.max_kv_len, g_rt.dev.sm_count, p.d_q, p.d_kv, p.d_out, g_ws,
+  ck_assert_int_eq(m3_launch_attn_dense(k, &bad, &b, p.max_kv_len, sms, p.d_q, p.d_kv, p.d_out, g_ws,
                                         g_ws_bytes, g_rt.stream, &e), M3_INVAL);
-  ck_assert_int_eq(m3_launch_attn_sparse(k, &a, &b, p.max_kv_len, g_rt.dev.sm_count, p.d_q, p.d_kv, p.d_sel, p.d_out,
+  ck_assert_int_eq(m3_launch_attn_sparse(k, &a, &b, p.max_kv_len, sms, p.d_q, p.d_kv, p.d_sel, p.d_out,
                                          g_ws, g_ws_bytes, g_rt.stream, &e), M3_INVAL);
   prob_free(&p);
 }
