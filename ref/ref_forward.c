@@ -328,6 +328,10 @@ static m3_status attention_layer(m3_ref_state *st, int l, int N, const int32_t *
                       .init_blocks = c->sparse_init_block, .local_blocks = c->sparse_local_block,
                       .idx_e4m3 = st->idx_e4m3, .max_blocks = (int)st->bt_stride};
     M3_TRY(m3_ref_indexer(&ia, b, w->iq, st->ix[l], w->sel, e));
+    if (st->sel_out) {
+      const size_t per = (size_t)ia.n_heads * (size_t)N * (size_t)ia.topk;
+      memcpy(st->sel_out + (size_t)l * per, w->sel, per * sizeof *w->sel);
+    }
     for (int g = 0; g < ia.n_heads; g++)
       for (int t = 0; t < N; t++) {
         int64_t nb = w->pos[t] / c->sparse_block_size + 1, kept = 0;

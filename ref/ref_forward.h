@@ -100,6 +100,9 @@ typedef struct m3_ref_state {
   int32_t *block_table;    /* [n_seqs, bt_stride] logical block -> page */
   int32_t *seq_lens;       /* [n_seqs] tokens cached */
   int force_dense;         /* debug: sparse layers run dense attention (still insert index-K) */
+  int32_t *sel_out;        /* debug, may be NULL: receives every sparse layer's selection of the
+                              next step, [L][nkv][n_tokens][topk] int32 (dense layers' slices
+                              untouched) - the GPU test compares the GPU indexer with it */
   /* Selection statistics of the last step, summed over sparse layers, tokens
    * and KV heads: visible blocks, and blocks the top-k left out. */
   int64_t stat_visible_blocks, stat_dropped_blocks;

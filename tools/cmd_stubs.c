@@ -1,4 +1,5 @@
-/* cmd_stubs.c - subcommands not built yet say so plainly. */
+/* cmd_stubs.c - subcommands not built yet say so plainly (NOT_YET(cmd_x, "x")).
+ * run and make-checkpoint live in cmd_run.c and cmd_make_checkpoint.c. */
 #include <stdio.h>
 
 #include "tools/cli.h"
@@ -9,5 +10,3 @@
     fprintf(stderr, "m3kit " name ": not implemented in this build\n");        \
     return 2;                                                                  \
   }
-NOT_YET(cmd_run, "run")
-NOT_YET(cmd_make_checkpoint, "make-checkpoint")

@@ -1,0 +1,878 @@
+/* forward.c - the GPU forward pass (see forward.h).  Read it top to bottom:
+ * the step inputs, then m3_forward_prefill / m3_forward_decode, which run
+ * embed -> layers -> final norm -> lm_head -> sample, each layer being
+ * dense_layer() or sparse_layer() with the FFN of its kind.  Everything below
+ * the layer functions is plumbing: kernels by key, linear layers (GEMV at
+ * decode, cuBLAS at prefill), CUDA graphs, timing, the numerics check. */
+#include "runtime/forward.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "runtime/check.h"
+#include "runtime/gemm.h"
+#include "runtime/op_attention.h"
+#include "runtime/op_ffn.h"
+#include "runtime/op_indexer.h"
+#include "runtime/ops.h"
+
+#define MAX_OPS 64        /* distinct op names in the timing table */
+#define MAX_MEMO 512      /* kernels resolved by (key, bucket) */
+#define MAX_GRAPHS 64     /* decode graphs (batch size x context bucket) */
+#define DECODE_ROWS 8     /* at most this many rows use the GEMV (decode) schedules */
+
+typedef struct timing_op { char name[32]; int calls; double ms; } timing_op;
+typedef struct memo { char key[M3_KEY_MAX + 64]; m3_kernel *k; } memo;
+/* A captured decode step.  The graph is kept alive with its executable
+ * (CUDA allows destroying it after instantiation, but the CPU emulator's
+ * executable refers to it). */
+typedef struct graph { int n; int64_t bucket; cudaGraph_t g; cudaGraphExec_t exec; } graph;
+
+struct m3_forward {
+  m3_rt *rt;
+  const m3_model *m;
+  m3_kv_cache *kv;
+  m3_fwd_opts o;
+  int rows;                     /* max(max_chunk, max_batch): activation rows */
+  cudaStream_t s;
+  m3_gemm g;
+  /* activations, device */
+  m3_bf16 *r, *a, *mb, *x;      /* [rows, H]: residual, input norm, post norm, sublayer output */
+  float *m32;                   /* [rows, H] fp32 copy of mb for the MoE router GEMM (prefill) */
+  m3_bf16 *P;                   /* [rows, qkv_max] fused projection */
+  m3_bf16 *q, *ao;              /* [rows, nq*hd] roped q, attention output */
+  void *iq;                     /* [rows, niq*idim] bf16 | e4m3 */
+  int32_t *sel;                 /* [nkv, rows, topk] */
+  float *scores;                /* [niq, max_chunk, pages_per_seq] prefill block scores */
+  m3_bf16 *gu, *act;            /* dense MLP [rows, 2F], [rows, F] */
+  m3_bf16 *wdq;                 /* bf16 copy of one MXFP8 weight (prefill GEMMs) */
+  size_t wdq_elems;
+  float *logits;                /* [max_batch, V] */
+  int32_t *d_next, *d_err;
+  /* step inputs: pinned host staging and their device copies */
+  int32_t *h_ids, *h_seq, *d_ids, *d_seq;
+  int64_t *h_pos, *h_slot, *d_pos, *d_slot;
+  /* workspaces */
+  void *attn_ws, *idx_ws;
+  size_t attn_ws_bytes, idx_ws_bytes;
+  m3_moe_ws moe_ws;
+  m3_moe_weights *moe_w;        /* [L] (MoE layers) */
+  void **tabs;                  /* device pointer tables of the MoE layers, one allocation */
+  const void **htabs;           /* host copies */
+  /* kernels, graphs, timing */
+  memo memo[MAX_MEMO];
+  int n_memo;
+  graph graphs[MAX_GRAPHS];
+  int n_graphs;
+  int capturing;
+  timing_op ops[MAX_OPS];
+  int n_ops;
+  cudaEvent_t *ev;              /* event pairs of the current step */
+  int n_ev, cap_ev;
+  const char **ev_name;
+  int check;                    /* numerics check on */
+  int32_t *dbg_cap;             /* m3_forward_debug_selection */
+  const int32_t *dbg_ovr;
+  void *hscan;                  /* host buffer for the check */
+  size_t hscan_bytes;
+};
+
+/* One forward step: n rows; decode or prefill schedules of attention and
+ * indexer (a decode step of any batch size uses the decode ones: the prefill
+ * indexer wants one sequence per warp of tokens); GEMVs or cuBLAS for the
+ * linear layers (GEMVs up to DECODE_ROWS rows, where they are bandwidth-bound
+ * and capturable); the paged batch. */
+typedef struct step {
+  int n;
+  int decode;
+  int gemv;
+  int64_t max_kv;               /* >= every positions[t] + 1 (decode: the context bucket) */
+  m3_seq_batch b;
+} step;
+
+/* ------------------------------------------------------------------------ */
+/* Plumbing declarations (defined at the end)                               */
+/* ------------------------------------------------------------------------ */
+
+static m3_status kern(m3_forward *f, const m3_variant *v, int64_t tokens, int64_t ctx, m3_kernel **k, m3_err *e);
+static m3_status linear(m3_forward *f, const step *st, const void *x, const m3_dlinear *w, void *y, const char *what,
+                        m3_err *e);
+static m3_status op_begin(m3_forward *f, const char *name, m3_err *e);
+static m3_status op_end(m3_forward *f, m3_err *e);
+static m3_status check_out(m3_forward *f, int layer, const char *op, const void *p, int64_t n, int dtype, m3_err *e);
+enum { DT_BF16, DT_F32 };
+#define OP(name, call)                      \
+  do {                                      \
+    M3_TRY(op_begin(f, name, e));           \
+    M3_TRY(call);                           \
+    M3_TRY(op_end(f, e));                   \
+  } while (0)
+
+/* ------------------------------------------------------------------------ */
+/* The layers                                                               */
+/* ------------------------------------------------------------------------ */
+
+/* P = a · W_qkvᵀ; q/k/(iq/ik) normed and roped, K/V and index-K inserted into
+ * the caches (the qk-norm kernel does all of it, §4). */
+static m3_status qkv_rope_insert(m3_forward *f, const step *st, int l, m3_err *e) {
+  const m3_config *c = &f->m->cfg;
+  const m3_dlayer *L = &f->m->layers[l];
+  OP("qkv_proj", linear(f, st, f->a, &L->qkv, f->P, "qkv_proj", e));
+  M3_TRY(check_out(f, l, "qkv_proj", f->P, (int64_t)st->n * L->qkv.rows, DT_BF16, e));
+  m3_qkr_args qa = {.n_tokens = st->n, .nq = c->num_attention_heads, .nkv = c->num_key_value_heads,
+                    .niq = L->sparse ? c->sparse_num_index_heads : 0, .head_dim = c->head_dim,
+                    .rotary_dim = c->rotary_dim, .block_size = c->sparse_block_size, .eps = (float)c->rms_norm_eps,
+                    .insert = 1, .kv_e4m3 = f->kv->plan.kv_e4m3, .idx_e4m3 = L->sparse ? f->kv->plan.idx_e4m3 : 0};
+  m3_variant v;
+  m3_kernel *k;
+  M3_TRY(m3_qknorm_key(&qa, &v, e));
+  M3_TRY(kern(f, &v, st->n, st->max_kv, &k, e));
+  OP("qknorm_rope", m3_launch_qknorm_rope(k, &qa, f->P, L->q_norm, L->k_norm, L->iq_norm, L->ik_norm, f->m->rope,
+                                          c->max_position_embeddings, f->d_pos, f->d_slot, f->d_slot, f->kv->kv[l],
+                                          f->kv->ix[l], f->q, L->sparse ? f->iq : NULL, f->s, e));
+  return check_out(f, l, "qknorm_rope", f->q, (int64_t)st->n * m3_config_q_width(c), DT_BF16, e);
+}
+
+static m3_attn_args attn_args(const m3_forward *f, const step *st) {
+  const m3_config *c = &f->m->cfg;
+  m3_attn_args aa = {.n_tokens = st->n, .nq = c->num_attention_heads, .nkv = c->num_key_value_heads,
+                     .head_dim = c->head_dim, .block_size = c->sparse_block_size, .kv_e4m3 = f->kv->plan.kv_e4m3,
+                     .topk = c->sparse_topk_blocks, .scale = 0.0f};
+  return aa;
+}
+
+static m3_idx_args idx_args(const m3_forward *f, const step *st) {
+  const m3_config *c = &f->m->cfg;
+  const int64_t bs = c->sparse_block_size;
+  m3_idx_args ia = {.n_tokens = st->n, .n_heads = c->sparse_num_index_heads, .head_dim = c->sparse_index_dim,
+                    .block_size = (int)bs, .topk = c->sparse_topk_blocks, .init_blocks = c->sparse_init_block,
+                    .local_blocks = c->sparse_local_block, .idx_e4m3 = f->kv->plan.idx_e4m3,
+                    .max_blocks = (int)((st->max_kv + bs - 1) / bs)};
+  return ia;
+}
+
+/* o = attention(q) then x = o · W_oᵀ.  sparse: the indexer selects the
+ * blocks first (§5), then block-sparse attention (§6.2); dense: causal GQA
+ * over the whole history (§6.3). */
+static m3_status attention(m3_forward *f, const step *st, int l, int sparse, m3_err *e) {
+  const m3_config *c = &f->m->cfg;
+  const m3_attn_args aa = attn_args(f, st);
+  const m3_attn_mode mode = st->decode ? M3_ATTN_DECODE : M3_ATTN_PREFILL;
+  const int sm = f->rt->dev.sm_count;
+  m3_variant v;
+  m3_kernel *k;
+  if (sparse) {
+    const m3_idx_args ia = idx_args(f, st);
+    const m3_idx_cache ic = {f->kv->ix[l], f->kv->plan.idx_e4m3, f->kv->plan.num_pages};
+    if (st->decode) {
+      M3_TRY(m3_index_decode_key(&ia, &v, e));
+      M3_TRY(kern(f, &v, st->n, st->max_kv, &k, e));
+      OP("indexer", m3_launch_index_decode(k, &ia, &st->b, sm, f->iq, &ic, f->sel, f->idx_ws, f->idx_ws_bytes, f->s, e));
+    } else {
+      m3_kernel *ks, *kt;
+      M3_TRY(m3_index_prefill_key(&ia, M3_IDX_SCORE, &v, e));
+      M3_TRY(kern(f, &v, st->n, st->max_kv, &ks, e));
+      M3_TRY(m3_index_prefill_key(&ia, M3_IDX_TOPK, &v, e));
+      M3_TRY(kern(f, &v, st->n, st->max_kv, &kt, e));
+      OP("indexer", m3_launch_index_prefill(ks, kt, &ia, &st->b, f->iq, &ic, f->scores, f->sel, f->s, e));
+    }
+    if (f->dbg_cap || f->dbg_ovr) { /* the test hook: [L][nkv][n][topk] host arrays */
+      const size_t per = (size_t)ia.n_heads * (size_t)st->n * (size_t)ia.topk * sizeof(int32_t);
+      if (f->dbg_cap) M3_CUDA(e, cudaMemcpyAsync((char *)f->dbg_cap + (size_t)l * per, f->sel, per, cudaMemcpyDeviceToHost, f->s));
+      if (f->dbg_ovr)
+        M3_CUDA(e, cudaMemcpyAsync(f->sel, (const char *)f->dbg_ovr + (size_t)l * per, per, cudaMemcpyHostToDevice, f->s));
+      M3_CUDA(e, cudaStreamSynchronize(f->s));
+    }
+    M3_TRY(m3_attn_sparse_key(&aa, mode, &v, e));
+    M3_TRY(kern(f, &v, st->n, st->max_kv, &k, e));
+    OP("attn_sparse", m3_launch_attn_sparse(k, &aa, &st->b, st->max_kv, sm, f->q, f->kv->kv[l], f->sel, f->ao,
+                                            st->decode ? f->attn_ws : NULL, st->decode ? f->attn_ws_bytes : 0, f->s, e));
+  } else {
+    M3_TRY(m3_attn_dense_key(&aa, mode, &v, e));
+    M3_TRY(kern(f, &v, st->n, st->max_kv, &k, e));
+    OP("attn_dense", m3_launch_attn_dense(k, &aa, &st->b, st->max_kv, sm, f->q, f->kv->kv[l], f->ao,
+                                          st->decode ? f->attn_ws : NULL, st->decode ? f->attn_ws_bytes : 0, f->s, e));
+  }
+  M3_TRY(check_out(f, l, sparse ? "attn_sparse" : "attn_dense", f->ao, (int64_t)st->n * m3_config_q_width(c), DT_BF16, e));
+  OP("o_proj", linear(f, st, f->ao, &f->m->layers[l].o, f->x, "o_proj", e));
+  return check_out(f, l, "o_proj", f->x, (int64_t)st->n * c->hidden_size, DT_BF16, e);
+}
+
+/* r += x; out = RMSNorm(r, w) (the fused add + norm, §2.3, §10.2). */
+static m3_status add_norm(m3_forward *f, const step *st, int l, const m3_bf16 *w, m3_bf16 *out, float *out32,
+                          const char *what, m3_err *e) {
+  const m3_config *c = &f->m->cfg;
+  m3_variant v;
+  m3_kernel *k;
+  M3_TRY(m3_rmsnorm_key(1, out32 != NULL, c->hidden_size, &v, e));
+  M3_TRY(kern(f, &v, st->n, 0, &k, e));
+  OP(what, m3_launch_add_rmsnorm(k, st->n, c->hidden_size, f->x, f->r, w, (float)c->rms_norm_eps, out, out32, f->s, e));
+  return check_out(f, l, what, out, (int64_t)st->n * c->hidden_size, DT_BF16, e);
+}
+
+/* Dense SwiGLU-OAI MLP (§7.1): x = down(swiglu(mb · [gate; up]ᵀ)). */
+static m3_status dense_mlp(m3_forward *f, const step *st, int l, m3_err *e) {
+  const m3_config *c = &f->m->cfg;
+  const m3_dlayer *L = &f->m->layers[l];
+  const int64_t F = c->dense_intermediate_size;
+  m3_variant v;
+  m3_kernel *k;
+  OP("mlp_gate_up", linear(f, st, f->mb, &L->mlp_gu, f->gu, "mlp gate_up", e));
+  M3_TRY(m3_swiglu_key(F, (float)c->swiglu_alpha, (float)c->swiglu_limit, (float)c->swiglu_beta, &v, e));
+  M3_TRY(kern(f, &v, st->n, 0, &k, e));
+  OP("swiglu", m3_launch_swiglu(k, st->n, F, f->gu, f->act, f->s, e));
+  M3_TRY(check_out(f, l, "swiglu", f->act, st->n * F, DT_BF16, e));
+  OP("mlp_down", linear(f, st, f->act, &L->mlp_down, f->x, "mlp down", e));
+  return check_out(f, l, "mlp_down", f->x, (int64_t)st->n * c->hidden_size, DT_BF16, e);
+}
+
+/* MoE with the shared expert (§7.2): router, top-k, experts, combine. */
+static m3_status moe(m3_forward *f, const step *st, int l, m3_err *e) {
+  const m3_config *c = &f->m->cfg;
+  m3_moe_args ma = {.n_tokens = st->n, .hidden = c->hidden_size, .n_experts = c->num_local_experts,
+                    .topk = c->num_experts_per_tok, .renormalize = 1, .routed_scaling = (float)c->routed_scaling_factor,
+                    .alpha = (float)c->swiglu_alpha, .limit = (float)c->swiglu_limit, .beta = (float)c->swiglu_beta};
+  OP("moe", m3_moe_forward(f->rt, &f->g, &ma, &f->moe_w[l], &f->moe_ws, f->mb, st->gemv ? NULL : f->m32, f->x, NULL,
+                           NULL, st->gemv ? 1 : 2, e));
+  return check_out(f, l, "moe", f->x, (int64_t)st->n * c->hidden_size, DT_BF16, e);
+}
+
+static m3_status ffn(m3_forward *f, const step *st, int l, m3_err *e) {
+  return f->m->layers[l].moe ? moe(f, st, l, e) : dense_mlp(f, st, l, e);
+}
+
+/* The input norm of the next layer, or the final norm after the last one. */
+static const m3_bf16 *next_norm(const m3_forward *f, int l) {
+  return l + 1 < f->m->cfg.num_hidden_layers ? f->m->layers[l + 1].input_norm : f->m->final_norm;
+}
+
+/* Layers 0-2 of M3: dense causal attention, dense MLP (§2.1). */
+static m3_status dense_layer(m3_forward *f, const step *st, int l, m3_err *e) {
+  M3_TRY(qkv_rope_insert(f, st, l, e));
+  M3_TRY(attention(f, st, l, 0, e));
+  M3_TRY(add_norm(f, st, l, f->m->layers[l].post_norm, f->mb, f->m->layers[l].moe && !st->gemv ? f->m32 : NULL,
+                  "post_norm", e));
+  M3_TRY(ffn(f, st, l, e));
+  return add_norm(f, st, l, next_norm(f, l), f->a, NULL, "input_norm", e);
+}
+
+/* Layers 3-59: lightning indexer + block-sparse attention, MoE (§2.4). */
+static m3_status sparse_layer(m3_forward *f, const step *st, int l, m3_err *e) {
+  M3_TRY(qkv_rope_insert(f, st, l, e));
+  M3_TRY(attention(f, st, l, 1, e));
+  M3_TRY(add_norm(f, st, l, f->m->layers[l].post_norm, f->mb, f->m->layers[l].moe && !st->gemv ? f->m32 : NULL,
+                  "post_norm", e));
+  M3_TRY(ffn(f, st, l, e));
+  return add_norm(f, st, l, next_norm(f, l), f->a, NULL, "input_norm", e);
+}
+
+/* The whole model on the staged inputs: embed, layers, and lm_head on the
+ * rows in [logit_row0, n) (prefill: the last token only; < 0: none, for the
+ * chunks before the last). */
+static m3_status forward_body(m3_forward *f, const step *st, int logit_row0, m3_err *e) {
+  const m3_model *m = f->m;
+  const m3_config *c = &m->cfg;
+  m3_variant v;
+  m3_kernel *k;
+  M3_TRY(m3_embed_key(c->hidden_size, &v, e));
+  M3_TRY(kern(f, &v, st->n, 0, &k, e));
+  OP("embed", m3_launch_embed(k, st->n, c->hidden_size, c->vocab_size, f->d_ids, m->embed, f->r, f->d_err, f->s, e));
+  M3_TRY(m3_rmsnorm_key(0, 0, c->hidden_size, &v, e));
+  M3_TRY(kern(f, &v, st->n, 0, &k, e));
+  OP("input_norm", m3_launch_rmsnorm(k, st->n, c->hidden_size, f->r, m->layers[0].input_norm, (float)c->rms_norm_eps,
+                                     f->a, NULL, f->s, e));
+  for (int l = 0; l < c->num_hidden_layers; l++) {
+    if (m->layers[l].sparse) M3_TRY(sparse_layer(f, st, l, e));
+    else M3_TRY(dense_layer(f, st, l, e));
+  }
+  /* lm_head: fp32 logits from the final-normed rows, always a GEMV (at most
+   * max_batch rows; a prefill needs only its last token). */
+  if (logit_row0 < 0) return M3_OK;
+  const int nl = st->n - logit_row0;
+  m3_gemv_args ga = {.n = nl, .rows = c->vocab_size, .cols = c->hidden_size, .wfmt = M3_GEMV_BF16, .out_f32 = 1};
+  M3_TRY(m3_gemv_kernel(f->rt, &ga, &k, e));
+  OP("lm_head", m3_launch_gemv(k, &ga, f->a + (size_t)logit_row0 * c->hidden_size, m->lm_head, NULL, f->logits, f->s, e));
+  return check_out(f, -1, "lm_head", f->logits, (int64_t)nl * c->vocab_size, DT_F32, e);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Steps                                                                    */
+/* ------------------------------------------------------------------------ */
+
+static m3_seq_batch device_batch(const m3_forward *f) {
+  const m3_kv_cache *kv = f->kv;
+  m3_seq_batch b = {.n_seqs = kv->plan.max_seqs, .seq_lens = kv->d_seq_lens, .block_table = kv->d_block_table,
+                    .bt_stride = kv->plan.pages_per_seq, .num_pages = kv->plan.num_pages, .token_seq = f->d_seq,
+                    .positions = f->d_pos};
+  return b;
+}
+
+/* Copy the staged inputs of n rows and the cache tables to the device. */
+static m3_status upload_inputs(m3_forward *f, int n, m3_err *e) {
+  M3_CUDA(e, cudaMemcpyAsync(f->d_ids, f->h_ids, sizeof(int32_t) * (size_t)n, cudaMemcpyHostToDevice, f->s));
+  M3_CUDA(e, cudaMemcpyAsync(f->d_seq, f->h_seq, sizeof(int32_t) * (size_t)n, cudaMemcpyHostToDevice, f->s));
+  M3_CUDA(e, cudaMemcpyAsync(f->d_pos, f->h_pos, sizeof(int64_t) * (size_t)n, cudaMemcpyHostToDevice, f->s));
+  M3_CUDA(e, cudaMemcpyAsync(f->d_slot, f->h_slot, sizeof(int64_t) * (size_t)n, cudaMemcpyHostToDevice, f->s));
+  return m3_kv_sync(f->kv, f->s, e);
+}
+
+/* Sample rows [0, n) of the logits buffer into next (host), and copy the
+ * logits out when asked.  Synchronises. */
+static m3_status finish(m3_forward *f, int n, const m3_sampling *smp, int32_t *next, float *logits, m3_err *e) {
+  const int64_t V = f->m->cfg.vocab_size;
+  if (next) {
+    m3_sampling greedy = {0, 0, 0, 0};
+    if (!smp) smp = &greedy;
+    m3_sample_args sa = {.n_rows = n, .vocab = V, .logits_bf16 = 0, .temperature = smp->temperature,
+                         .top_p = smp->top_p, .seed = smp->seed, .step = smp->step};
+    m3_variant v;
+    m3_kernel *k;
+    M3_TRY(m3_sample_key(&sa, &v, e));
+    M3_TRY(kern(f, &v, n, 0, &k, e));
+    OP("sample", m3_launch_sample(k, &sa, f->logits, f->d_next, f->s, e));
+    M3_TRY(m3_sample_finish(&sa, f->logits, f->d_next, next, f->s, e));
+  }
+  if (logits)
+    M3_CUDA(e, cudaMemcpyAsync(logits, f->logits, sizeof(float) * (size_t)(n * V), cudaMemcpyDeviceToHost, f->s));
+  M3_CUDA(e, cudaStreamSynchronize(f->s));
+  return M3_OK;
+}
+
+m3_status m3_forward_prefill(m3_forward *f, int seq, int n, const int32_t *ids, const m3_sampling *smp,
+                             int32_t *next, float *logits, m3_err *e) {
+  const m3_config *c = &f->m->cfg;
+  if (n <= 0 || !ids) return m3_errf(e, M3_INVAL, "prefill: %d tokens", n);
+  M3_TRY(m3_embed_check_host(n, c->vocab_size, ids, e));
+  if (seq < 0 || seq >= f->kv->plan.max_seqs || !f->kv->admitted[seq])
+    return m3_errf(e, M3_INVAL, "prefill: sequence %d is not admitted", seq);
+  if (f->kv->seq_lens[seq] + (int64_t)n > f->kv->admitted[seq])
+    return m3_errf(e, M3_CAPACITY, "prefill: sequence %d holds %d tokens, %d more exceed the %" PRId64
+                   " it was admitted with", seq, f->kv->seq_lens[seq], n, f->kv->admitted[seq]);
+  for (int t0 = 0; t0 < n; t0 += f->o.max_chunk) {
+    const int nt = n - t0 < f->o.max_chunk ? n - t0 : f->o.max_chunk;
+    M3_CUDA(e, cudaStreamSynchronize(f->s)); /* the staging buffers are free again */
+    memcpy(f->h_ids, ids + t0, sizeof *ids * (size_t)nt);
+    for (int i = 0; i < nt; i++) f->h_seq[i] = seq;
+    M3_TRY(m3_kv_append(f->kv, seq, nt, f->h_pos, f->h_slot, e));
+    M3_TRY(upload_inputs(f, nt, e));
+    step st = {.n = nt, .decode = 0, .gemv = nt <= DECODE_ROWS, .max_kv = f->h_pos[nt - 1] + 1,
+               .b = device_batch(f)};
+    m3_status s = forward_body(f, &st, t0 + nt == n ? nt - 1 : -1, e);
+    if (s != M3_OK) return m3_err_prefix(e, "prefill of sequence %d, tokens [%d, %d): ", seq, t0, t0 + nt);
+  }
+  M3_TRY(finish(f, 1, smp, next, logits, e));
+  return M3_OK;
+}
+
+/* Decode steps replay a graph captured for (batch size, context bucket): the
+ * bucket is the power of two >= the longest sequence (>= 2 pages), capped at
+ * the cache's context, and is what the attention and indexer plans are sized
+ * for, so one graph serves every step until a sequence outgrows it. */
+static int64_t ctx_bucket(const m3_forward *f, int64_t len) {
+  int64_t b = 2 * (int64_t)f->kv->plan.page_size, cap = f->kv->plan.pages_per_seq * f->kv->plan.page_size;
+  while (b < len) b *= 2;
+  return b < cap ? b : cap;
+}
+
+static m3_status capture(m3_forward *f, const step *st, graph *gr, m3_err *e) {
+  cudaGraph_t g = NULL;
+  /* Relaxed mode: kernels built on first use load modules while capturing;
+   * the eager step before this one has built them all, but a tuning-DB
+   * change between the two must not make the capture fail. */
+  M3_CUDA(e, cudaStreamSynchronize(f->s));
+  M3_CUDA(e, cudaStreamBeginCapture(f->s, cudaStreamCaptureModeRelaxed));
+  f->capturing = 1;
+  m3_status s = forward_body(f, st, 0, e);
+  f->capturing = 0;
+  cudaError_t ce = cudaStreamEndCapture(f->s, &g);
+  if (s != M3_OK) {
+    if (g) cudaGraphDestroy(g);
+    return m3_err_prefix(e, "capturing the decode graph: ");
+  }
+  if (ce != cudaSuccess) return m3_cuda_fail(e, ce, "cudaStreamEndCapture", __FILE__, __LINE__);
+  ce = cudaGraphInstantiate(&gr->exec, g, 0);
+  if (ce != cudaSuccess) {
+    cudaGraphDestroy(g);
+    return m3_cuda_fail(e, ce, "cudaGraphInstantiate", __FILE__, __LINE__);
+  }
+  gr->g = g;
+  return M3_OK;
+}
+
+m3_status m3_forward_decode(m3_forward *f, int n, const int *seqs, const int32_t *ids, const m3_sampling *smp,
+                            int32_t *next, float *logits, m3_err *e) {
+  const m3_config *c = &f->m->cfg;
+  if (n <= 0 || n > f->o.max_batch || !seqs || !ids)
+    return m3_errf(e, M3_INVAL, "decode: %d sequences (max_batch %d)", n, f->o.max_batch);
+  M3_TRY(m3_embed_check_host(n, c->vocab_size, ids, e));
+  for (int i = 0; i < n; i++) {
+    const int q = seqs[i];
+    if (q < 0 || q >= f->kv->plan.max_seqs || !f->kv->admitted[q])
+      return m3_errf(e, M3_INVAL, "decode: row %d: sequence %d is not admitted", i, q);
+    if (f->kv->seq_lens[q] + 1 > f->kv->admitted[q])
+      return m3_errf(e, M3_CAPACITY, "decode: sequence %d already holds the %" PRId64 " tokens it was admitted with",
+                     q, f->kv->admitted[q]);
+    for (int j = 0; j < i; j++)
+      if (seqs[j] == q) return m3_errf(e, M3_INVAL, "decode: sequence %d appears twice in one step", q);
+  }
+  M3_CUDA(e, cudaStreamSynchronize(f->s));
+  int64_t longest = 0;
+  for (int i = 0; i < n; i++) {
+    f->h_ids[i] = ids[i];
+    f->h_seq[i] = seqs[i];
+    M3_TRY(m3_kv_append(f->kv, seqs[i], 1, &f->h_pos[i], &f->h_slot[i], e));
+    if (f->h_pos[i] + 1 > longest) longest = f->h_pos[i] + 1;
+  }
+  M3_TRY(upload_inputs(f, n, e));
+  step st = {.n = n, .decode = 1, .gemv = n <= DECODE_ROWS, .max_kv = ctx_bucket(f, longest), .b = device_batch(f)};
+  /* Graphs need a step without host round trips: GEMV-sized (the cuBLAS MoE
+   * path reads expert counts back), no timing events, no numerics scans. */
+  const int graphs = f->o.use_graph && !f->o.timing && !f->check && !f->dbg_cap && !f->dbg_ovr && st.gemv;
+  graph *gr = NULL;
+  for (int i = 0; graphs && i < f->n_graphs && !gr; i++)
+    if (f->graphs[i].n == n && f->graphs[i].bucket == st.max_kv) gr = &f->graphs[i];
+  if (gr) {
+    M3_CUDA(e, cudaGraphLaunch(gr->exec, f->s));
+  } else {
+    m3_status s = forward_body(f, &st, 0, e);
+    if (s != M3_OK) return m3_err_prefix(e, "decode step of %d sequences: ", n);
+    /* This step ran eagerly (it also built every kernel it needs); record it
+     * as a graph for the next steps of this shape. */
+    if (graphs && f->n_graphs < MAX_GRAPHS) {
+      graph *ng = &f->graphs[f->n_graphs];
+      ng->n = n;
+      ng->bucket = st.max_kv;
+      M3_TRY(capture(f, &st, ng, e));
+      f->n_graphs++;
+    }
+  }
+  return finish(f, n, smp, next, logits, e);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Setup                                                                    */
+/* ------------------------------------------------------------------------ */
+
+m3_fwd_opts m3_fwd_defaults(void) {
+  m3_fwd_opts o = {.max_batch = 1, .max_chunk = 256, .use_graph = 1, .timing = 0, .check_numerics = -1};
+  return o;
+}
+
+static int64_t max_linear_elems(const m3_model *m) {
+  int64_t b = 0;
+  for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
+    const m3_dlayer *L = &m->layers[l];
+    const m3_dlinear *w[] = {&L->qkv, &L->o, &L->mlp_gu, &L->mlp_down, &L->sh_gu, &L->sh_down};
+    for (size_t i = 0; i < sizeof w / sizeof *w; i++)
+      if (w[i]->mxfp8 && w[i]->rows * w[i]->cols > b) b = w[i]->rows * w[i]->cols;
+  }
+  return b;
+}
+
+uint64_t m3_forward_activation_bytes(const m3_config *c, const m3_fwd_opts *o, int64_t max_ctx) {
+  const uint64_t R = (uint64_t)(o->max_chunk > o->max_batch ? o->max_chunk : o->max_batch);
+  const uint64_t H = (uint64_t)c->hidden_size, Q = (uint64_t)m3_config_q_width(c);
+  const uint64_t bs = (uint64_t)c->sparse_block_size, nb = ((uint64_t)max_ctx + bs - 1) / bs;
+  uint64_t qkv = 0;
+  for (int l = 0; l < c->num_hidden_layers; l++)
+    if ((uint64_t)m3_config_qkv_width(c, l) > qkv) qkv = (uint64_t)m3_config_qkv_width(c, l);
+  uint64_t b = R * H * (2 * 4 + 4) + R * qkv * 2 + R * Q * 4 + R * (uint64_t)c->sparse_num_index_heads * 256;
+  b += (uint64_t)c->sparse_num_index_heads * (uint64_t)o->max_chunk * nb * 4;
+  b += R * (uint64_t)c->dense_intermediate_size * 6;
+  b += (uint64_t)o->max_batch * (uint64_t)c->vocab_size * 4;
+  /* MoE workspace ~ R*K*(3I + H)*2 + dequant scratch of the largest weight */
+  b += R * (uint64_t)c->num_experts_per_tok * (3 * (uint64_t)c->intermediate_size + H) * 2;
+  b += 2 * (uint64_t)c->dense_intermediate_size * H * 2 * 2;
+  return b;
+}
+
+static m3_status dmalloc(void **p, size_t bytes, const char *what, m3_err *e) {
+  cudaError_t r = cudaMalloc(p, bytes ? bytes : 16);
+  if (r != cudaSuccess) {
+    *p = NULL;
+    cudaGetLastError();
+    size_t fr = 0, tot = 0;
+    cudaMemGetInfo(&fr, &tot);
+    return m3_errf(e, r == cudaErrorMemoryAllocation ? M3_CAPACITY : M3_CUDA,
+                   "forward: %s: cudaMalloc(%zu) failed (%zu bytes free): %s", what, bytes, fr, cudaGetErrorString(r));
+  }
+  return M3_OK;
+}
+
+/* The MoE weight descriptors op_ffn.h wants: device and host pointer tables
+ * per layer (E entries; experts that are not resident get NULL, which the
+ * -inf routing bias guarantees are never chosen - a bug would fault loudly
+ * instead of computing with another expert's weights). */
+static m3_status build_moe_tables(m3_forward *f, m3_err *e) {
+  const m3_model *m = f->m;
+  const m3_config *c = &m->cfg;
+  const int L = c->num_hidden_layers, E = c->num_local_experts, nm = m3_config_n_moe_layers(c);
+  f->moe_w = calloc((size_t)L, sizeof *f->moe_w);
+  f->htabs = calloc((size_t)nm * 4 * (size_t)E + 1, sizeof *f->htabs);
+  if (!f->moe_w || !f->htabs) return m3_errf(e, M3_NOMEM, "forward: MoE tables");
+  if (!nm) return M3_OK;
+  M3_TRY(dmalloc((void **)&f->tabs, sizeof(void *) * (size_t)nm * 4 * (size_t)E, "MoE pointer tables", e));
+  int j = 0;
+  for (int l = 0; l < L; l++) {
+    if (!m->layers[l].moe) continue;
+    const m3_dlayer *ly = &m->layers[l];
+    const void **h = f->htabs + (size_t)j * 4 * E;
+    for (int x = 0; x < E; x++) {
+      const int res = x < ly->w13.n_stack;
+      h[x] = res ? m3_dlinear_at(&ly->w13, x) : NULL;
+      h[E + x] = res ? m3_dlinear_scale_at(&ly->w13, x) : NULL;
+      h[2 * E + x] = res ? m3_dlinear_at(&ly->w2, x) : NULL;
+      h[3 * E + x] = res ? m3_dlinear_scale_at(&ly->w2, x) : NULL;
+    }
+    void **d = f->tabs + (size_t)j * 4 * E;
+    M3_CUDA(e, cudaMemcpy(d, h, sizeof(void *) * 4 * (size_t)E, cudaMemcpyHostToDevice));
+    m3_moe_weights *w = &f->moe_w[l];
+    w->n_experts = E;
+    w->e4m3 = ly->w13.mxfp8;
+    w->hidden = c->hidden_size;
+    w->inter = c->intermediate_size;
+    w->shared_inter = m3_config_shared_width(c);
+    w->wg = ly->router;
+    w->bias = ly->bias;
+    w->gu_tab = (const void *const *)d;
+    w->gu_scale_tab = w->e4m3 ? (const void *const *)(d + E) : NULL;
+    w->down_tab = (const void *const *)(d + 2 * E);
+    w->down_scale_tab = w->e4m3 ? (const void *const *)(d + 3 * E) : NULL;
+    w->h_gu = (const void *const *)h;
+    w->h_gu_scale = (const void *const *)(h + E);
+    w->h_down = (const void *const *)(h + 2 * E);
+    w->h_down_scale = (const void *const *)(h + 3 * E);
+    w->shared_gu = ly->sh_gu.w;
+    w->shared_gu_scale = ly->sh_gu.scale;
+    w->shared_down = ly->sh_down.w;
+    w->shared_down_scale = ly->sh_down.scale;
+    if (ly->sh_gu.rows && ly->sh_gu.mxfp8 != w->e4m3)
+      return m3_errf(e, M3_FORMAT, "forward: layer %d: shared and routed experts differ in format (MXFP8 vs bf16)", l);
+    j++;
+  }
+  return M3_OK;
+}
+
+/* Workspaces of the decode attention and indexer kernels, sized for the
+ * largest decode launch (max_batch tokens over the whole context). */
+static m3_status decode_workspaces(m3_forward *f, m3_err *e) {
+  const m3_config *c = &f->m->cfg;
+  const int sm = f->rt->dev.sm_count;
+  step st = {.n = f->o.max_batch, .decode = 1, .max_kv = f->kv->plan.pages_per_seq * f->kv->plan.page_size};
+  const m3_attn_args aa = attn_args(f, &st);
+  m3_variant v;
+  m3_kernel *k;
+  size_t ws = 0;
+  if (m3_config_n_sparse_layers(c) < c->num_hidden_layers) {
+    M3_TRY(m3_attn_dense_key(&aa, M3_ATTN_DECODE, &v, e));
+    M3_TRY(kern(f, &v, st.n, st.max_kv, &k, e));
+    size_t b = m3_attn_workspace_bytes(k, &aa, st.max_kv, sm);
+    if (b > ws) ws = b;
+  }
+  if (m3_config_n_sparse_layers(c) > 0) {
+    M3_TRY(m3_attn_sparse_key(&aa, M3_ATTN_DECODE, &v, e));
+    M3_TRY(kern(f, &v, st.n, st.max_kv, &k, e));
+    size_t b = m3_attn_workspace_bytes(k, &aa, st.max_kv, sm);
+    if (b > ws) ws = b;
+    const m3_idx_args ia = idx_args(f, &st);
+    M3_TRY(m3_index_decode_key(&ia, &v, e));
+    M3_TRY(kern(f, &v, st.n, st.max_kv, &k, e));
+    f->idx_ws_bytes = m3_index_decode_workspace_bytes(k, &ia, sm);
+    if (f->idx_ws_bytes) {
+      M3_TRY(dmalloc(&f->idx_ws, f->idx_ws_bytes, "indexer workspace", e));
+      M3_TRY(m3_index_workspace_init(f->idx_ws, f->idx_ws_bytes, f->s, e));
+    }
+  }
+  f->attn_ws_bytes = ws;
+  if (ws) {
+    M3_TRY(dmalloc(&f->attn_ws, ws, "attention workspace", e));
+    M3_TRY(m3_attn_workspace_init(f->attn_ws, ws, f->s, e));
+  }
+  return M3_OK;
+}
+
+m3_status m3_forward_create(m3_rt *rt, const m3_model *m, m3_kv_cache *kv, const m3_fwd_opts *o, m3_forward **out,
+                            m3_err *e) {
+  *out = NULL;
+  const m3_config *c = &m->cfg;
+  if (o->max_batch < 1 || o->max_batch > kv->plan.max_seqs || o->max_chunk < 0)
+    return m3_errf(e, M3_INVAL, "forward: max_batch %d must be in [1, the cache's %d sequences], max_chunk >= 0",
+                   o->max_batch, kv->plan.max_seqs);
+  if (kv->cfg.num_hidden_layers != c->num_hidden_layers || kv->cfg.sparse_block_size != c->sparse_block_size)
+    return m3_errf(e, M3_INVAL, "forward: the KV cache was made for another config");
+  m3_forward *f = calloc(1, sizeof *f);
+  if (!f) return m3_errf(e, M3_NOMEM, "forward");
+  f->rt = rt;
+  f->m = m;
+  f->kv = kv;
+  f->o = *o;
+  if (!f->o.max_chunk) f->o.max_chunk = 256;
+  f->s = rt->stream;
+  if (f->o.check_numerics < 0) {
+    const char *env = getenv("M3KIT_CHECK_NUMERICS");
+    f->check = env && *env && strcmp(env, "0") != 0;
+  } else {
+    f->check = f->o.check_numerics;
+  }
+  f->rows = f->o.max_chunk > f->o.max_batch ? f->o.max_chunk : f->o.max_batch;
+  const size_t R = (size_t)f->rows, H = (size_t)c->hidden_size, Q = (size_t)m3_config_q_width(c);
+  size_t qkv = 0;
+  for (int l = 0; l < c->num_hidden_layers; l++)
+    if ((size_t)m3_config_qkv_width(c, l) > qkv) qkv = (size_t)m3_config_qkv_width(c, l);
+  m3_status s = m3_gemm_open(&f->g, f->s, e);
+  if (s != M3_OK) {
+    free(f);
+    return s;
+  }
+#define ALLOC(ptr, bytes) \
+  if (s == M3_OK) s = dmalloc((void **)&(ptr), (bytes), #ptr, e)
+  ALLOC(f->r, R * H * 2);
+  ALLOC(f->a, R * H * 2);
+  ALLOC(f->mb, R * H * 2);
+  ALLOC(f->x, R * H * 2);
+  ALLOC(f->m32, R * H * 4);
+  ALLOC(f->P, R * qkv * 2);
+  ALLOC(f->q, R * Q * 2);
+  ALLOC(f->ao, R * Q * 2);
+  ALLOC(f->iq, R * (size_t)c->sparse_num_index_heads * (size_t)c->sparse_index_dim * 2);
+  ALLOC(f->sel, (size_t)c->num_key_value_heads * R * (size_t)c->sparse_topk_blocks * 4);
+  ALLOC(f->scores, (size_t)c->sparse_num_index_heads * (size_t)f->o.max_chunk * (size_t)kv->plan.pages_per_seq * 4);
+  ALLOC(f->gu, R * 2 * (size_t)c->dense_intermediate_size * 2);
+  ALLOC(f->act, R * (size_t)c->dense_intermediate_size * 2);
+  f->wdq_elems = (size_t)max_linear_elems(m);
+  if (f->wdq_elems) ALLOC(f->wdq, f->wdq_elems * 2);
+  ALLOC(f->logits, (size_t)f->o.max_batch * (size_t)c->vocab_size * 4);
+  ALLOC(f->d_next, (size_t)f->o.max_batch * 4);
+  ALLOC(f->d_err, 4);
+  ALLOC(f->d_ids, R * 4);
+  ALLOC(f->d_seq, R * 4);
+  ALLOC(f->d_pos, R * 8);
+  ALLOC(f->d_slot, R * 8);
+#undef ALLOC
+  if (s == M3_OK && cudaMemset(f->d_err, 0, 4) != cudaSuccess) s = m3_errf(e, M3_CUDA, "forward: cudaMemset");
+  if (s == M3_OK) {
+    void *h;
+    if (cudaMallocHost(&h, R * (4 + 4 + 8 + 8)) != cudaSuccess) s = m3_errf(e, M3_CUDA, "forward: cudaMallocHost");
+    else {
+      f->h_pos = h;
+      f->h_slot = f->h_pos + R;
+      f->h_ids = (int32_t *)(f->h_slot + R);
+      f->h_seq = f->h_ids + R;
+    }
+  }
+  if (s == M3_OK) s = build_moe_tables(f, e);
+  if (s == M3_OK && m3_config_n_moe_layers(c)) {
+    int l0 = 0;
+    while (!m->layers[l0].moe) l0++;
+    m3_moe_args ma = {.n_tokens = f->rows, .hidden = c->hidden_size, .n_experts = c->num_local_experts,
+                      .topk = c->num_experts_per_tok, .renormalize = 1, .routed_scaling = (float)c->routed_scaling_factor,
+                      .alpha = (float)c->swiglu_alpha, .limit = (float)c->swiglu_limit, .beta = (float)c->swiglu_beta};
+    s = m3_moe_ws_alloc(&f->moe_ws, &ma, &f->moe_w[l0], f->rows, e);
+  }
+  if (s == M3_OK) s = decode_workspaces(f, e);
+  if (s == M3_OK) s = cudaStreamSynchronize(f->s) == cudaSuccess ? M3_OK : m3_errf(e, M3_CUDA, "forward: setup");
+  if (s != M3_OK) {
+    m3_forward_free(f);
+    return s;
+  }
+  *out = f;
+  return M3_OK;
+}
+
+void m3_forward_free(m3_forward *f) {
+  if (!f) return;
+  for (int i = 0; i < f->n_graphs; i++) {
+    cudaGraphExecDestroy(f->graphs[i].exec);
+    cudaGraphDestroy(f->graphs[i].g);
+  }
+  for (int i = 0; i < f->n_ev; i++) cudaEventDestroy(f->ev[i]);
+  free(f->ev);
+  free(f->ev_name);
+  void *d[] = {f->r, f->a, f->mb, f->x, f->m32, f->P, f->q, f->ao, f->iq, f->sel, f->scores, f->gu, f->act, f->wdq,
+               f->logits, f->d_next, f->d_err, f->d_ids, f->d_seq, f->d_pos, f->d_slot, f->attn_ws, f->idx_ws, f->tabs};
+  for (size_t i = 0; i < sizeof d / sizeof *d; i++)
+    if (d[i]) cudaFree(d[i]);
+  if (f->h_pos) cudaFreeHost(f->h_pos);
+  m3_moe_ws_free(&f->moe_ws);
+  m3_gemm_close(&f->g);
+  free(f->moe_w);
+  free(f->htabs);
+  free(f->hscan);
+  free(f);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Plumbing                                                                 */
+/* ------------------------------------------------------------------------ */
+
+static int64_t pow2_at_least(int64_t x) {
+  int64_t p = 1;
+  while (p < x) p *= 2;
+  return p;
+}
+
+/* m3_rt_kernel through a per-forward memo keyed by (semantic key, bucket):
+ * the tuned tile for the shape bucket comes from the tuning DB on the first
+ * call, and later calls cost a string compare instead of a Lua round trip.
+ * Buckets: tokens and context rounded up to powers of two. */
+static m3_status kern(m3_forward *f, const m3_variant *v, int64_t tokens, int64_t ctx, m3_kernel **k, m3_err *e) {
+  const int64_t bt = pow2_at_least(tokens > 0 ? tokens : 1), bc = ctx > 0 ? pow2_at_least(ctx) : 0;
+  char key[M3_KEY_MAX + 64];
+  size_t n = m3_variant_print(v, key, M3_KEY_MAX);
+  snprintf(key + n, sizeof key - n, "#%" PRId64 ",%" PRId64, bt, bc);
+  for (int i = 0; i < f->n_memo; i++)
+    if (!strcmp(f->memo[i].key, key)) {
+      *k = f->memo[i].k;
+      return M3_OK;
+    }
+  m3_bucket b = {0};
+  M3_TRY(m3_bucket_add(&b, "tokens", bt, e));
+  if (bc) M3_TRY(m3_bucket_add(&b, "ctx", bc, e));
+  M3_TRY(m3_rt_kernel(f->rt, v, &b, k, e));
+  if (f->n_memo < MAX_MEMO) {
+    snprintf(f->memo[f->n_memo].key, sizeof f->memo[f->n_memo].key, "%s", key);
+    f->memo[f->n_memo++].k = *k;
+  }
+  return M3_OK;
+}
+
+/* y [n, rows] = x [n, cols] · Wᵀ.  Decode: the GEMV straight from the stored
+ * bytes (W8A16 or W16A16).  Prefill: cuBLAS; an MXFP8 weight is first
+ * dequantised (exactly, §8) into the bf16 scratch, one weight at a time. */
+static m3_status linear(m3_forward *f, const step *st, const void *x, const m3_dlinear *w, void *y, const char *what,
+                        m3_err *e) {
+  if (st->gemv) {
+    m3_gemv_args ga = {.n = st->n, .rows = w->rows, .cols = w->cols, .wfmt = w->mxfp8 ? M3_GEMV_E4M3 : M3_GEMV_BF16};
+    m3_kernel *k;
+    M3_TRY(m3_gemv_kernel(f->rt, &ga, &k, e));
+    M3_TRY(m3_launch_gemv(k, &ga, x, w->w, w->scale, y, f->s, e));
+    return M3_OK;
+  }
+  const void *wb = w->w;
+  if (w->mxfp8) {
+    if ((size_t)(w->rows * w->cols) > f->wdq_elems)
+      return m3_errf(e, M3_INVAL, "forward: %s [%" PRId64 ", %" PRId64 "] exceeds the dequant scratch", what, w->rows,
+                     w->cols);
+    m3_variant v;
+    m3_kernel *k;
+    M3_TRY(m3_dequant_key(w->cols, &v, e));
+    M3_TRY(kern(f, &v, 1, 0, &k, e));
+    M3_TRY(m3_launch_mxfp8_dequant(k, w->rows, w->cols, w->w, w->scale, f->wdq, f->s, e));
+    wb = f->wdq;
+  }
+  return m3_gemm_bf16(&f->g, st->n, w->rows, w->cols, x, 0, wb, 0, y, 0, e);
+}
+
+/* ---- timing: an event before and after each op of a step ---------------- */
+
+static timing_op *op_slot(m3_forward *f, const char *name) {
+  for (int i = 0; i < f->n_ops; i++)
+    if (!strcmp(f->ops[i].name, name)) return &f->ops[i];
+  if (f->n_ops == MAX_OPS) return NULL;
+  timing_op *t = &f->ops[f->n_ops++];
+  snprintf(t->name, sizeof t->name, "%s", name);
+  return t;
+}
+
+static m3_status ev_next(m3_forward *f, const char *name, m3_err *e) {
+  if (f->n_ev == f->cap_ev) {
+    int cap = f->cap_ev ? 2 * f->cap_ev : 1024;
+    cudaEvent_t *ev = realloc(f->ev, sizeof *ev * (size_t)cap);
+    if (!ev) return m3_errf(e, M3_NOMEM, "timing events");
+    f->ev = ev;
+    const char **nm = realloc(f->ev_name, sizeof *nm * (size_t)cap);
+    if (!nm) return m3_errf(e, M3_NOMEM, "timing events");
+    f->ev_name = nm;
+    for (int i = f->cap_ev; i < cap; i++) M3_CUDA(e, cudaEventCreate(&f->ev[i]));
+    f->cap_ev = cap;
+  }
+  f->ev_name[f->n_ev] = name;
+  M3_CUDA(e, cudaEventRecord(f->ev[f->n_ev++], f->s));
+  return M3_OK;
+}
+
+static m3_status op_begin(m3_forward *f, const char *name, m3_err *e) {
+  if (!f->o.timing || f->capturing) return M3_OK;
+  return ev_next(f, name, e);
+}
+
+/* Close the op; every 512 ops (and at m3_forward_print_timing) the events are
+ * read back and summed per op name. */
+static m3_status op_end(m3_forward *f, m3_err *e) {
+  if (!f->o.timing || f->capturing) return M3_OK;
+  M3_TRY(ev_next(f, NULL, e));
+  if (f->n_ev < 1000) return M3_OK;
+  M3_CUDA(e, cudaStreamSynchronize(f->s));
+  for (int i = 0; i + 1 < f->n_ev; i += 2) {
+    float ms = 0;
+    M3_CUDA(e, cudaEventElapsedTime(&ms, f->ev[i], f->ev[i + 1]));
+    timing_op *t = op_slot(f, f->ev_name[i]);
+    if (t) t->calls++, t->ms += ms;
+  }
+  f->n_ev = 0;
+  return M3_OK;
+}
+
+void m3_forward_print_timing(const m3_forward *fc, FILE *out) {
+  m3_forward *f = (m3_forward *)fc; /* folds pending events into the table */
+  if (f->n_ev) {
+    cudaStreamSynchronize(f->s);
+    for (int i = 0; i + 1 < f->n_ev; i += 2) {
+      float ms = 0;
+      if (cudaEventElapsedTime(&ms, f->ev[i], f->ev[i + 1]) != cudaSuccess) continue;
+      timing_op *t = op_slot(f, f->ev_name[i]);
+      if (t) t->calls++, t->ms += ms;
+    }
+    f->n_ev = 0;
+  }
+  double total = 0;
+  for (int i = 0; i < f->n_ops; i++) total += f->ops[i].ms;
+  if (!f->o.timing) {
+    fprintf(out, "  (no timing: create the forward with opts.timing = 1, m3kit run --timing)\n");
+    return;
+  }
+  fprintf(out, "  %-14s %8s %12s %7s\n", "op", "calls", "total ms", "share");
+  for (int i = 0; i < f->n_ops; i++)
+    fprintf(out, "  %-14s %8d %12.3f %6.1f%%\n", f->ops[i].name, f->ops[i].calls, f->ops[i].ms,
+            total > 0 ? 100.0 * f->ops[i].ms / total : 0.0);
+  fprintf(out, "  %-14s %8s %12.3f\n", "all kernels", "", total);
+}
+
+void m3_forward_debug_selection(m3_forward *f, int32_t *capture, const int32_t *override) {
+  f->dbg_cap = capture;
+  f->dbg_ovr = override;
+}
+
+void m3_forward_reset_timing(m3_forward *f) {
+  f->n_ops = 0;
+  f->n_ev = 0;
+}
+
+/* ---- M3KIT_CHECK_NUMERICS: NaN/Inf scan of an op's output -------------- */
+
+static m3_status check_out(m3_forward *f, int layer, const char *op, const void *p, int64_t n, int dtype, m3_err *e) {
+  if (!f->check || f->capturing || n <= 0) return M3_OK;
+  const size_t bytes = (size_t)n * (dtype == DT_F32 ? 4 : 2);
+  if (bytes > f->hscan_bytes) {
+    void *h = realloc(f->hscan, bytes);
+    if (!h) return m3_errf(e, M3_NOMEM, "numerics check buffer");
+    f->hscan = h;
+    f->hscan_bytes = bytes;
+  }
+  M3_CUDA(e, cudaMemcpyAsync(f->hscan, p, bytes, cudaMemcpyDeviceToHost, f->s));
+  M3_CUDA(e, cudaStreamSynchronize(f->s));
+  for (int64_t i = 0; i < n; i++) {
+    float v = dtype == DT_F32 ? ((const float *)f->hscan)[i] : m3_bf16_to_f32(((const m3_bf16 *)f->hscan)[i]);
+    if (!isfinite(v)) {
+      if (layer >= 0)
+        return m3_errf(e, M3_NUMERICS, "layer %d, op %s: element %" PRId64 " of %" PRId64 " is %s", layer, op, i, n,
+                       isnan(v) ? "NaN" : "Inf");
+      return m3_errf(e, M3_NUMERICS, "op %s: element %" PRId64 " of %" PRId64 " is %s", op, i, n,
+                     isnan(v) ? "NaN" : "Inf");
+    }
+  }
+  return M3_OK;
+}

@@ -1,0 +1,100 @@
+/* forward.h - the MiniMax-M3 text forward pass on the GPU: chunked prefill
+ * and batched decode over the paged caches (spec §2.3, §2.4), readable top
+ * to bottom in forward.c like llm.c's gpt2_forward: embed, then per layer
+ * dense_layer() or sparse_layer(), then the final norm and lm_head.
+ *
+ * Numerics follow the whole-model reference (ref/ref_forward.h) op for op:
+ * bf16 residual stream with the add+RMSNorm contract of m3_ref_add_rmsnorm,
+ * fused QKV (§3.2), qk-norm+RoPE+insert, dense or indexer + sparse attention,
+ * o_proj, dense MLP or MoE with the shared expert, fp32 logits.  GEMMs are
+ * cuBLAS at prefill (MXFP8 weights dequantised to a bf16 scratch one weight at
+ * a time), GEMV launchers at decode (W8A16 directly on the MXFP8 bytes).
+ *
+ * Decode steps are captured as CUDA graphs (one per batch size, re-captured
+ * when a kernel choice changes with the context bucket) and replayed; the
+ * per-step inputs (ids, positions, slots, lengths) live at fixed device
+ * addresses and are refreshed by copies issued before each replay.
+ *
+ * Debug hooks: M3KIT_CHECK_NUMERICS=1 (or opts.check_numerics) scans each
+ * op's output for NaN/Inf after it runs and fails with M3_NUMERICS naming the
+ * layer and the op (synchronises after every op; off by default, then no
+ * cost); opts.timing records events around every kernel and
+ * m3_forward_print_timing prints a per-op breakdown.
+ */
+#ifndef M3_FORWARD_H
+#define M3_FORWARD_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "runtime/kernels.h"
+#include "runtime/kv_cache.h"
+#include "runtime/model.h"
+
+typedef struct m3_fwd_opts {
+  int max_batch;       /* sequences per decode step, >= 1 (<= the cache's max_seqs) */
+  int max_chunk;       /* prefill chunk in tokens; 0 = 256 */
+  int use_graph;       /* 1: capture decode steps as CUDA graphs and replay them */
+  int timing;          /* 1: events around every kernel (m3_forward_print_timing) */
+  int check_numerics;  /* -1: from $M3KIT_CHECK_NUMERICS; 0 off; 1 on */
+} m3_fwd_opts;
+
+/* Defaults: batch 1, chunk 256, graphs on, timing off, numerics from env. */
+m3_fwd_opts m3_fwd_defaults(void);
+
+/* Token choice after a step (m3_ref_sample_top_p's contract): greedy when
+ * temperature <= 0 or top_p <= 0; else temperature + top-p with the
+ * counter-based generator keyed (seed, step, row). */
+typedef struct m3_sampling {
+  float temperature, top_p;
+  uint64_t seed, step;
+} m3_sampling;
+
+typedef struct m3_forward m3_forward;
+
+/* Allocate activations for max_chunk prefill tokens and max_batch decode
+ * rows, resolve every kernel the model needs (through m3_rt_kernel: tuned
+ * tiles by shape bucket, default otherwise).  m and kv must outlive f.
+ * Errors: M3_INVAL (options), M3_CAPACITY / M3_CUDA (activations), the JIT's. */
+m3_status m3_forward_create(m3_rt *rt, const m3_model *m, m3_kv_cache *kv, const m3_fwd_opts *o,
+                            m3_forward **out, m3_err *e);
+void m3_forward_free(m3_forward *f);
+
+/* Prefill: append n tokens (host ids [n]) to admitted sequence seq, in chunks
+ * of max_chunk; logits of the last token [vocab] fp32 to the host (may be
+ * NULL); *next receives the token chosen from them (may be NULL).
+ * Errors: M3_RANGE (an id outside [0, vocab) - checked on the host before any
+ * kernel runs, naming the token), M3_CAPACITY (beyond the admitted length),
+ * M3_NUMERICS (check on), M3_CUDA, M3_CUBLAS. */
+m3_status m3_forward_prefill(m3_forward *f, int seq, int n, const int32_t *ids, const m3_sampling *smp,
+                             int32_t *next, float *logits, m3_err *e);
+
+/* One decode step: token ids[i] appended to sequence seqs[i], i < n <=
+ * max_batch; logits [n, vocab] fp32 to the host (may be NULL), next [n]
+ * (may be NULL).  Errors: as m3_forward_prefill. */
+m3_status m3_forward_decode(m3_forward *f, int n, const int *seqs, const int32_t *ids, const m3_sampling *smp,
+                            int32_t *next, float *logits, m3_err *e);
+
+/* Test hook for the sparse layers' block selection (§5), for the steps that
+ * follow until called again with NULLs.  Both are host arrays laid out
+ * [L][nkv][n][topk] int32 for a step of n tokens (dense layers' slices are
+ * not touched; L = num_hidden_layers):
+ *   capture   receives what the GPU indexer selected;
+ *   override  then replaces it before attention runs ("teacher-forced
+ *             selection": the whole-model test runs the GPU on the
+ *             reference's selection, so that a top-k flip on a near-tie of
+ *             quantised index scores cannot hide every other comparison).
+ * Either may be NULL.  While either is set, each sparse layer synchronises
+ * and decode steps are not captured as graphs.  Errors: none. */
+void m3_forward_debug_selection(m3_forward *f, int32_t *capture, const int32_t *override);
+
+/* Per-op time (events, opts.timing): name, calls, total ms, share. */
+void m3_forward_print_timing(const m3_forward *f, FILE *out);
+/* Zero the timing table (e.g. after the prefill, to time decode alone). */
+void m3_forward_reset_timing(m3_forward *f);
+
+/* Activation bytes m3_forward_create allocates for these options (for
+ * sizing the KV cache's reserve). */
+uint64_t m3_forward_activation_bytes(const m3_config *c, const m3_fwd_opts *o, int64_t max_ctx);
+
+#endif

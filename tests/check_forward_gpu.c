@@ -1,0 +1,418 @@
+/* check_forward_gpu.c - the whole GPU forward (runtime/forward.h) against the
+ * whole-model CPU reference (ref/ref_forward.h) on a random checkpoint from
+ * m3_ckpt_write: a 4-layer config (1 dense + 3 sparse/MoE, hidden 256, 8 q
+ * heads, block 16, top-k 4 blocks, 8 experts top-4), a prompt of 80 tokens
+ * (> 64 = top-k x block, so the sparse layers really drop blocks), prefilled
+ * in chunks of 32, then 8 greedy decode steps, for bf16 and e4m3 index caches
+ * (and an e4m3 KV cache), bf16 and MXFP8 weights.
+ *
+ * Tolerances: logits ||gpu - ref|| / ||ref|| <= 2e-2 at every step (the GPU
+ * sums in other orders and rounds P to bf16 before P·V; every op's own test
+ * holds it to ~1e-2).  Tokens: the decode is teacher-forced with the
+ * reference's greedy tokens (one flip must not derail the rest), and the
+ * GPU's greedy token must equal the reference's at every step where the
+ * reference's top-1/top-2 margin exceeds 2 max|gpu - ref| - below that the
+ * order is not determined by the model (a GPU argmax with a larger margin
+ * can only be a bug).  Steps decided by that rule must be the majority.
+ *
+ * Selection: with random weights the block scores of the sparse layers are
+ * close together, and an e4m3 index value changes code when its bf16 input
+ * differs by one rounding (different summation order in the projection), so
+ * the top-k can flip on a near-tie; one flip changes that token's attention
+ * and, through the caches, everything after it (logits move by ~10%).  So
+ * each mode runs twice:
+ *   forced-selection - the GPU attends over the reference's selection
+ *                      (m3_forward_debug_selection), so the logits check
+ *                      covers every other op whatever the indexer does;
+ *   free-running     - the GPU uses its own selection; logits are asserted
+ *                      for as long as every selection equals the reference's.
+ * and the GPU indexer's own output must equal the reference's on >= 99% of
+ * (layer, head, token) rows with a bf16 index cache, >= 95% with e4m3.
+ *
+ * Also: decode replayed from a CUDA graph equals eager decode bit for bit; a
+ * synthetic model's weights equal m3_synth_value; bad inputs: a token id >=
+ * vocab is M3_RANGE (prefill and decode), a context beyond
+ * max_position_embeddings is rejected at admission and at cache init, a cache
+ * beyond the GPU's memory is M3_CAPACITY, a page size other than the sparse
+ * block size fails naming both.  Exit 77 without a GPU. */
+#include <math.h>
+#include <string.h>
+
+#include "ref/ref_forward.h"
+#include "runtime/forward.h"
+#include "tests/forward_cfg.h"
+#include "tests/gpu_main.h"
+
+GPU_TEST_GLOBALS
+
+#define MAXPOS 512
+#define PROMPT 80
+#define CHUNK 32
+#define STEPS 8
+/* decode steps of compare_run: 8 on a GPU, 3 on the CPU emulator (each
+ * emulated step runs every kernel thread by thread) */
+static int n_steps(void) { return m3_test_emulated() ? 3 : STEPS; }
+
+static m3_config cfg;
+static fwd_ckpt ck;
+static m3_ref_model *ref;
+static m3_model *gm;
+static int32_t prompt[MAXPOS];
+
+static void setup(void) {
+  m3_err e = {0};
+  ck_assert_msg(fwd_small_config(&cfg, 4, 1, MAXPOS, &e) == M3_OK, "%s", e.msg);
+  ck_assert_msg(fwd_ckpt_make(&cfg, 0, g_seed, &ck, &e) == M3_OK, "%s", e.msg);
+  ck_assert_msg(m3_ref_model_load(&cfg, ck.k, &ref, &e) == M3_OK, "%s", e.msg);
+  m3_model_opts mo = {.dir = ck.dir};
+  ck_assert_msg(m3_model_load(&g_rt, &mo, &gm, &e) == M3_OK, "%s", e.msg);
+  m3_rng r = {g_seed ^ 0xabcdull};
+  for (int i = 0; i < MAXPOS; i++) prompt[i] = (int32_t)(m3_rng_next(&r) % (uint64_t)cfg.vocab_size);
+}
+
+static void teardown(void) {
+  m3_model_free(gm);
+  m3_ref_model_free(ref);
+  gm = NULL;
+  ref = NULL;
+  fwd_ckpt_close(&ck);
+}
+
+typedef struct gpu_run {
+  m3_kv_cache kv;
+  m3_forward *f;
+  int seq;
+} gpu_run;
+
+static void gpu_open_model(gpu_run *g, const m3_model *m, int kv8, int ix8, int batch, int graph) {
+  m3_err e = {0};
+  m3_kv_opts ko = {.kv_e4m3 = kv8, .idx_e4m3 = ix8, .max_seqs = batch, .max_ctx = PROMPT + STEPS + 8};
+  ck_assert_msg(m3_kv_init(&g->kv, &cfg, &ko, &e) == M3_OK, "%s", e.msg);
+  m3_fwd_opts fo = m3_fwd_defaults();
+  fo.max_batch = batch;
+  fo.max_chunk = CHUNK;
+  fo.use_graph = graph;
+  ck_assert_msg(m3_forward_create(&g_rt, m, &g->kv, &fo, &g->f, &e) == M3_OK, "%s", e.msg);
+  ck_assert_msg(m3_kv_admit(&g->kv, PROMPT + STEPS + 1, &g->seq, &e) == M3_OK, "%s", e.msg);
+}
+
+static void gpu_open(gpu_run *g, int kv8, int ix8, int batch, int graph) { gpu_open_model(g, gm, kv8, ix8, batch, graph); }
+
+static void gpu_close(gpu_run *g) {
+  m3_forward_free(g->f);
+  m3_kv_free(&g->kv);
+}
+
+static double margin_top2(const float *x, int64_t n, int *top) {
+  int a = fwd_argmax(x, n), b = a == 0 ? 1 : 0;
+  for (int64_t i = 0; i < n; i++)
+    if (i != a && x[i] > x[b]) b = (int)i;
+  *top = a;
+  return (double)x[a] - x[b];
+}
+
+/* Sets of selected blocks per (sparse layer, kv head, token) of one step:
+ * rows compared and rows equal (as sets: both lists are in score order, a
+ * near-tie may swap two entries without changing the set). */
+static void sel_agree(const int32_t *a, const int32_t *b, int n, int64_t *rows, int64_t *same) {
+  const int nkv = cfg.num_key_value_heads, K = cfg.sparse_topk_blocks;
+  for (int l = 0; l < cfg.num_hidden_layers; l++) {
+    if (!cfg.is_sparse[l]) continue;
+    for (int r = 0; r < nkv * n; r++) {
+      const int32_t *x = a + ((size_t)l * nkv * n + r) * K, *y = b + ((size_t)l * nkv * n + r) * K;
+      int eq = 1;
+      for (int i = 0; i < K && eq; i++) {
+        int found = 0;
+        for (int j = 0; j < K; j++) found |= x[i] == y[j];
+        eq = found;
+      }
+      (*rows)++;
+      *same += eq;
+    }
+  }
+}
+
+/* Prefill (in CHUNK-token calls, one forward step each on both sides) then
+ * teacher-forced greedy decode steps, GPU against the reference.
+ * force_sel: the GPU attends over the reference's selection (its own
+ * indexer output is still captured and compared), so the logits check covers
+ * every other op even when a quantised index score makes top-k flip.
+ * Without it (free-running), the logits are checked strictly as long as the
+ * GPU's selections equal the reference's; after a flip the run only reports. */
+static void compare_run(const m3_ref_model *rmod, const m3_model *gmod, int kv8, int ix8, int force_sel) {
+  const int V = cfg.vocab_size, L = cfg.num_hidden_layers, nkv = cfg.num_key_value_heads, K = cfg.sparse_topk_blocks;
+  m3_err e = {0};
+  const size_t sel_n = (size_t)L * nkv * CHUNK * K;
+  int32_t *rsel = calloc(sel_n, 4), *gsel = calloc(sel_n, 4);
+  float *lr = malloc(sizeof(float) * V * CHUNK), *lg = malloc(sizeof(float) * V);
+  m3_ref_state *rs;
+  ck_assert_msg(m3_ref_state_create(rmod, 1, MAXPOS, kv8, ix8, &rs, &e) == M3_OK, "%s", e.msg);
+  rs->sel_out = rsel;
+  gpu_run g;
+  gpu_open_model(&g, gmod, kv8, ix8, 1, 1);
+  m3_forward_debug_selection(g.f, gsel, force_sel ? rsel : NULL);
+  int decided = 0, ties = 0, identical = 1, checked = 0;
+  int64_t rows = 0, same = 0, dropped = 0;
+  int32_t tok = -1, gtok = -1, zeros[CHUNK] = {0};
+  const int steps = n_steps();
+  for (int t0 = 0; t0 < PROMPT; t0 += CHUNK) { /* prefill */
+    const int n = PROMPT - t0 < CHUNK ? PROMPT - t0 : CHUNK, last = t0 + n == PROMPT;
+    ck_assert_msg(m3_ref_step(rs, n, zeros, prompt + t0, lr, &e) == M3_OK, "%s", e.msg);
+    dropped += rs->stat_dropped_blocks;
+    m3_status s = m3_forward_prefill(g.f, g.seq, n, prompt + t0, NULL, &gtok, lg, &e);
+    ck_assert_msg(s == M3_OK, "prefill [%d, %d): %s", t0, t0 + n, e.msg);
+    int64_t r0 = same;
+    sel_agree(gsel, rsel, n, &rows, &same);
+    identical &= same - r0 == (int64_t)m3_config_n_sparse_layers(&cfg) * nkv * n;
+    if (last) memmove(lr, lr + (size_t)(n - 1) * V, sizeof(float) * V);
+  }
+  ck_assert_int_gt(dropped, 0); /* the selection really dropped blocks */
+  for (int step = 0; step <= steps; step++) {
+    if (step > 0) {
+      ck_assert_msg(m3_ref_step(rs, 1, zeros, &tok, lr, &e) == M3_OK, "%s", e.msg);
+      m3_status s = m3_forward_decode(g.f, 1, &g.seq, &tok, NULL, &gtok, lg, &e);
+      ck_assert_msg(s == M3_OK, "decode step %d: %s", step, e.msg);
+      int64_t r0 = same;
+      sel_agree(gsel, rsel, 1, &rows, &same);
+      identical &= same - r0 == (int64_t)m3_config_n_sparse_layers(&cfg) * nkv;
+    }
+    double rel = fwd_rel_l2(lg, lr, (size_t)V), dmax = fwd_max_abs(lg, lr, (size_t)V);
+    int rtop;
+    double margin = margin_top2(lr, V, &rtop);
+    const int strict = force_sel || identical;
+    printf("kv %d idx %d %s step %d: rel %.2e, max|d| %.2e, token ref %d gpu %d, margin %.3g%s%s\n", kv8, ix8,
+           force_sel ? "forced-selection" : "free-running", step, rel, dmax, rtop, gtok, margin,
+           margin > 2 * dmax ? "" : " (near-tie)", strict ? "" : " (selection differs: not asserted)");
+    if (strict) {
+      checked++;
+      ck_assert_msg(rel <= 2e-2, "kv %d idx %d step %d: logits rel L2 %g > 2e-2 (max |diff| %g)", kv8, ix8, step, rel,
+                    dmax);
+      if (margin > 2 * dmax) {
+        decided++;
+        ck_assert_msg(gtok == rtop, "kv %d idx %d step %d: GPU token %d, reference %d with margin %g > 2 x %g", kv8,
+                      ix8, step, gtok, rtop, margin, dmax);
+      } else {
+        ties++;
+      }
+    }
+    tok = rtop; /* teacher forcing with the reference's token */
+  }
+  /* The GPU indexer against the reference's, row by row: a bf16 index path
+   * differs only on near-ties of fp32 scores; e4m3 index values can change
+   * code when their bf16 inputs differ by one rounding, moving scores by ~1%
+   * of a product, which reorders blocks whose scores are that close. */
+  const double agree = rows ? (double)same / rows : 1.0, need = ix8 ? 0.95 : 0.99;
+  printf("kv %d idx %d %s: %lld of %lld selections identical (%.2f%%)\n", kv8, ix8,
+         force_sel ? "forced-selection" : "free-running", (long long)same, (long long)rows, 100 * agree);
+  ck_assert_msg(agree >= need, "kv %d idx %d: the GPU indexer agrees with the reference on %.2f%% < %.0f%% of rows", kv8,
+                ix8, 100 * agree, 100 * need);
+  if (checked) ck_assert_msg(decided >= (checked * 2 + 2) / 3, "only %d of %d checked steps were decided (%d near-ties)",
+                             decided, checked, ties);
+  m3_forward_debug_selection(g.f, NULL, NULL);
+  gpu_close(&g);
+  m3_ref_state_free(rs);
+  free(rsel);
+  free(gsel);
+  free(lr);
+  free(lg);
+}
+
+START_TEST(forward_matches_reference) {
+  static const int modes[3][2] = {{0, 0}, {0, 1}, {1, 1}}; /* (kv e4m3, index e4m3) */
+  compare_run(ref, gm, modes[_i][0], modes[_i][1], 1);
+  if (_i == 0 || !m3_test_emulated()) compare_run(ref, gm, modes[_i][0], modes[_i][1], 0);
+}
+END_TEST
+
+/* MXFP8 checkpoint: W8A16 GEMVs at decode, dequantise + cuBLAS at prefill. */
+START_TEST(mxfp8_checkpoint) {
+  m3_err e = {0};
+  fwd_ckpt c8;
+  m3_ref_model *r8;
+  m3_model *g8;
+  ck_assert_msg(fwd_ckpt_make(&cfg, 1, g_seed, &c8, &e) == M3_OK, "%s", e.msg);
+  ck_assert_msg(m3_ref_model_load(&cfg, c8.k, &r8, &e) == M3_OK, "%s", e.msg);
+  m3_model_opts mo = {.dir = c8.dir};
+  ck_assert_msg(m3_model_load(&g_rt, &mo, &g8, &e) == M3_OK, "%s", e.msg);
+  ck_assert_int_eq(g8->mxfp8, 1);
+  ck_assert_int_eq(g8->layers[1].w13.mxfp8, 1);
+  compare_run(r8, g8, 0, 1, 1);
+  if (!m3_test_emulated()) compare_run(r8, g8, 0, 1, 0);
+  m3_model_free(g8);
+  m3_ref_model_free(r8);
+  fwd_ckpt_close(&c8);
+}
+END_TEST
+
+/* The uploaded, fused weights are the reference's bytes: [q;k;v;iq;ik] and
+ * [gate;up] row order (§3.2, §7.2), expert stacking. */
+START_TEST(fused_weights_match_reference) {
+  for (int l = 0; l < cfg.num_hidden_layers; l++) {
+    const m3_dlinear *w = &gm->layers[l].qkv;
+    const m3_ref_weight *rw = &ref->layers[l].qkv;
+    ck_assert_int_eq(w->rows, rw->rows);
+    size_t n = (size_t)(w->rows * w->cols);
+    m3_bf16 *h = malloc(n * 2);
+    ck_assert_int_eq(cudaMemcpy(h, w->w, n * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    ck_assert_msg(memcmp(h, rw->bf16, n * 2) == 0, "layer %d: fused QKV differs from the reference's", l);
+    free(h);
+    if (!gm->layers[l].moe) continue;
+    const int x = 5, I = cfg.intermediate_size, H = cfg.hidden_size;
+    m3_bf16 *g = malloc((size_t)2 * I * H * 2);
+    ck_assert_int_eq(cudaMemcpy(g, m3_dlinear_at(&gm->layers[l].w13, x), (size_t)2 * I * H * 2, cudaMemcpyDeviceToHost),
+                     cudaSuccess);
+    ck_assert(memcmp(g, ref->layers[l].w1[x].bf16, (size_t)I * H * 2) == 0);
+    ck_assert(memcmp(g + (size_t)I * H, ref->layers[l].w3[x].bf16, (size_t)I * H * 2) == 0);
+    free(g);
+  }
+}
+END_TEST
+
+START_TEST(graph_replay_equals_eager) {
+  const int V = cfg.vocab_size;
+  float *a = malloc(sizeof(float) * V * STEPS), *b = malloc(sizeof(float) * V * STEPS);
+  int32_t ta[STEPS], tb[STEPS];
+  for (int graph = 0; graph < 2; graph++) {
+    gpu_run g;
+    gpu_open(&g, 0, 0, 1, graph);
+    m3_err e = {0};
+    int32_t tok;
+    ck_assert_msg(m3_forward_prefill(g.f, g.seq, 40, prompt, NULL, &tok, NULL, &e) == M3_OK, "%s", e.msg);
+    for (int s = 0; s < STEPS; s++) {
+      int32_t in = tok;
+      ck_assert_msg(m3_forward_decode(g.f, 1, &g.seq, &in, NULL, &tok, (graph ? b : a) + (size_t)s * V, &e) == M3_OK,
+                    "%s", e.msg);
+      (graph ? tb : ta)[s] = tok;
+    }
+    gpu_close(&g);
+  }
+  ck_assert_int_eq(memcmp(ta, tb, sizeof ta), 0);
+  ck_assert_msg(memcmp(a, b, sizeof(float) * V * STEPS) == 0, "graph replay differs from eager launches");
+  free(a);
+  free(b);
+}
+END_TEST
+
+/* Two sequences of different lengths in one decode step == each alone. */
+START_TEST(batched_decode) {
+  const int V = cfg.vocab_size;
+  m3_err e = {0};
+  gpu_run g;
+  gpu_open(&g, 0, 1, 2, 1);
+  int s2;
+  ck_assert_msg(m3_kv_admit(&g.kv, 40, &s2, &e) == M3_OK, "%s", e.msg);
+  ck_assert_msg(m3_forward_prefill(g.f, g.seq, 70, prompt, NULL, NULL, NULL, &e) == M3_OK, "%s", e.msg);
+  ck_assert_msg(m3_forward_prefill(g.f, s2, 21, prompt + 100, NULL, NULL, NULL, &e) == M3_OK, "%s", e.msg);
+  int seqs[2] = {s2, g.seq};
+  int32_t ids[2] = {prompt[300], prompt[301]};
+  float *lg = malloc(sizeof(float) * 2 * V), *lr = malloc(sizeof(float) * 2 * V);
+  ck_assert_msg(m3_forward_decode(g.f, 2, seqs, ids, NULL, NULL, lg, &e) == M3_OK, "%s", e.msg);
+  m3_ref_state *rs;
+  ck_assert_int_eq(m3_ref_state_create(ref, 2, MAXPOS, 0, 1, &rs, &e), M3_OK);
+  ck_assert_int_eq(m3_ref_prefill(rs, 0, 21, prompt + 100, 0, NULL, NULL, &e), M3_OK);
+  ck_assert_int_eq(m3_ref_prefill(rs, 1, 70, prompt, 0, NULL, NULL, &e), M3_OK);
+  int32_t rseq[2] = {0, 1};
+  ck_assert_int_eq(m3_ref_step(rs, 2, rseq, ids, lr, &e), M3_OK);
+  for (int i = 0; i < 2; i++) {
+    double rel = fwd_rel_l2(lg + (size_t)i * V, lr + (size_t)i * V, (size_t)V);
+    ck_assert_msg(rel <= 2e-2, "row %d: rel %g", i, rel);
+  }
+  m3_ref_state_free(rs);
+  gpu_close(&g);
+  free(lg);
+  free(lr);
+}
+END_TEST
+
+START_TEST(bad_inputs) {
+  m3_err e = {0};
+  gpu_run g;
+  gpu_open(&g, 0, 0, 1, 1);
+  int32_t bad[3] = {1, cfg.vocab_size, 2};
+  ck_assert_int_eq(m3_forward_prefill(g.f, g.seq, 3, bad, NULL, NULL, NULL, &e), M3_RANGE);
+  ck_assert_ptr_nonnull(strstr(e.msg, "2048"));
+  ck_assert_int_eq(g.kv.seq_lens[g.seq], 0); /* nothing was appended */
+  ck_assert_int_eq(m3_forward_prefill(g.f, g.seq, 4, prompt, NULL, NULL, NULL, &e), M3_OK);
+  int32_t neg = -1;
+  ck_assert_int_eq(m3_forward_decode(g.f, 1, &g.seq, &neg, NULL, NULL, NULL, &e), M3_RANGE);
+  /* admission past max_position_embeddings (known-faults #24) */
+  int s;
+  m3_kv_release(&g.kv, g.seq);
+  ck_assert_int_eq(m3_kv_admit(&g.kv, MAXPOS + 1, &s, &e), M3_RANGE);
+  ck_assert_ptr_nonnull(strstr(e.msg, "max_position_embeddings"));
+  gpu_close(&g);
+  m3_kv_cache kv;
+  m3_kv_opts far = {.max_seqs = 1, .max_ctx = MAXPOS + 1};
+  ck_assert_int_eq(m3_kv_init(&kv, &cfg, &far, &e), M3_RANGE);
+  /* beyond the GPU's memory */
+  m3_kv_opts huge = {.max_seqs = 1 << 22, .max_ctx = MAXPOS};
+  ck_assert_int_eq(m3_kv_init(&kv, &cfg, &huge, &e), M3_CAPACITY);
+  ck_assert_ptr_nonnull(strstr(e.msg, "bytes per token"));
+  /* page size must be the sparse block size (known-faults #10) */
+  m3_kv_opts page = {.max_seqs = 1, .max_ctx = 64, .page_size = 32};
+  ck_assert_int_eq(m3_kv_init(&kv, &cfg, &page, &e), M3_CONFIG);
+  ck_assert_ptr_nonnull(strstr(e.msg, "page size 32"));
+  ck_assert_ptr_nonnull(strstr(e.msg, "sparse_block_size 16"));
+  /* resident experts outside [top-k, E] */
+  m3_model *m;
+  m3_model_opts mo = {.config = &cfg, .resident_experts = cfg.num_experts_per_tok - 1};
+  ck_assert_int_eq(m3_model_load(&g_rt, &mo, &m, &e), M3_INVAL);
+}
+END_TEST
+
+/* Synthetic weights: generated on the GPU, equal to the host generator; and
+ * a restricted-routing model runs (finite logits). */
+START_TEST(synthetic_model) {
+  m3_err e = {0};
+  m3_model *m;
+  m3_model_opts mo = {.config = &cfg, .resident_experts = 6, .seed = 7};
+  ck_assert_msg(m3_model_load(&g_rt, &mo, &m, &e) == M3_OK, "%s", e.msg);
+  ck_assert_int_eq(m->n_resident, 6);
+  m3_bf16 got[64];
+  ck_assert_int_eq(cudaMemcpy(got, m->embed, sizeof got, cudaMemcpyDeviceToHost), cudaSuccess);
+  uint64_t sd = m3_synth_seed(7, "embed_tokens");
+  for (int i = 0; i < 64; i++) ck_assert_uint_eq(got[i], m3_f32_to_bf16(m3_synth_value(sd, i, 0.02f)));
+  float bias[8];
+  ck_assert_int_eq(cudaMemcpy(bias, m->layers[1].bias, sizeof bias, cudaMemcpyDeviceToHost), cudaSuccess);
+  ck_assert(isinf(bias[6]) && bias[6] < 0 && isinf(bias[7]) && isfinite(bias[5])); /* the routing mask */
+  m3_kv_cache kv;
+  m3_kv_opts ko = {.max_seqs = 1, .max_ctx = 64};
+  ck_assert_msg(m3_kv_init(&kv, &cfg, &ko, &e) == M3_OK, "%s", e.msg);
+  m3_fwd_opts fo = m3_fwd_defaults();
+  fo.max_chunk = 16;
+  m3_forward *f;
+  ck_assert_msg(m3_forward_create(&g_rt, m, &kv, &fo, &f, &e) == M3_OK, "%s", e.msg);
+  int s;
+  ck_assert_int_eq(m3_kv_admit(&kv, 40, &s, &e), M3_OK);
+  float *lg = malloc(sizeof(float) * cfg.vocab_size);
+  int32_t tok;
+  ck_assert_msg(m3_forward_prefill(f, s, 20, prompt, NULL, &tok, lg, &e) == M3_OK, "%s", e.msg);
+  for (int i = 0; i < 4; i++) {
+    int32_t in = tok;
+    ck_assert_msg(m3_forward_decode(f, 1, &s, &in, NULL, &tok, lg, &e) == M3_OK, "%s", e.msg);
+  }
+  for (int v = 0; v < cfg.vocab_size; v++) ck_assert(isfinite(lg[v]));
+  free(lg);
+  m3_forward_free(f);
+  m3_kv_free(&kv);
+  m3_model_free(m);
+}
+END_TEST
+
+static Suite *make(void) {
+  Suite *s = suite_create("forward_gpu");
+  TCase *t = tcase_create("forward");
+  tcase_add_unchecked_fixture(t, setup, teardown);
+  tcase_set_timeout(t, m3_test_emulated() ? 3600 : 600);
+  tcase_add_test(t, fused_weights_match_reference);
+  tcase_add_loop_test(t, forward_matches_reference, 0, 3);
+  tcase_add_test(t, mxfp8_checkpoint);
+  tcase_add_test(t, graph_replay_equals_eager);
+  tcase_add_test(t, batched_decode);
+  tcase_add_test(t, bad_inputs);
+  tcase_add_test(t, synthetic_model);
+  suite_add_tcase(s, t);
+  return s;
+}
+
+int main(void) { return gpu_test_main("check_forward_gpu", make); }

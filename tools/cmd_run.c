@@ -1,0 +1,343 @@
+/* cmd_run.c - `m3kit run`: load a model (checkpoint, or synthetic weights
+ * for a preset), prefill a prompt, decode, and report TTFT, TPOT, tokens/s
+ * and peak GPU memory.  Without a GPU it says so and does the part that needs
+ * none: renders and compiles every kernel variant the model needs (through
+ * the cubin cache), so a later GPU run starts warm. */
+#include <getopt.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cuda_runtime_api.h>
+
+#include "runtime/forward.h"
+#include "runtime/harness.h"
+#include "runtime/jit.h"
+#include "runtime/kv_cache.h"
+#include "runtime/log.h"
+#include "runtime/model.h"
+#include "runtime/model_dims.h"
+#include "tools/cli.h"
+
+static void help(void) {
+  printf(
+      "usage: m3kit run [options]\n\n"
+      "Run the MiniMax-M3 text model: prefill a prompt, then generate.\n\n"
+      "model (default: --preset tiny, the embedded small M3-shaped model):\n"
+      "  --model DIR              checkpoint directory (config.json + safetensors, bf16 or MXFP8)\n"
+      "  --preset NAME            synthetic weights for an embedded config (tiny, minimax-m3), generated on\n"
+      "                           the GPU from --seed\n"
+      "  --resident-experts N     synthetic: routed experts resident per MoE layer (default min(8, E)); routing\n"
+      "                           is restricted to them (the others' selection scores are -inf), so a batch-1\n"
+      "                           decode step of --preset minimax-m3 reads exactly the real model's bytes\n"
+      "  --weights bf16|mxfp8     synthetic linear weights (default: mxfp8 for minimax-m3, bf16 otherwise)\n"
+      "prompt:\n"
+      "  --prompt-ids 1,2,3       token ids of the prompt\n"
+      "  --context N              or a random prompt of N ids (from --seed; default 32)\n"
+      "  --batch B                sequences decoded together (default 1); each gets the prompt (--prompt-ids)\n"
+      "                           or its own random one (--context)\n"
+      "generation:\n"
+      "  --max-new-tokens N       tokens to generate per sequence (default 16)\n"
+      "  --temperature T          sampling temperature (default 0: greedy)\n"
+      "  --top-p P                nucleus sampling mass (default 1)\n"
+      "  --seed S                 seed for weights, random prompts and sampling (default 0)\n"
+      "caches and schedule:\n"
+      "  --kv-dtype bf16|e4m3     main KV cache dtype (default bf16)\n"
+      "  --index-dtype bf16|e4m3  index-K cache and index-q dtype (default bf16)\n"
+      "  --chunk N                prefill chunk in tokens (default 256)\n"
+      "  --no-graph               launch decode kernels one by one instead of replaying a CUDA graph\n"
+      "output:\n"
+      "  --dump-logits FILE.npy   float32 [steps, batch, vocab]: step 0 = the prompt's last token, then\n"
+      "                           one row per generated token\n"
+      "  --timing                 per-kernel time breakdown (CUDA events)\n"
+      "  --arch SM                without a GPU: the arch to compile for (default sm_90)\n"
+      "  --help\n\n"
+      "Prints the generated ids, TTFT (prefill of the whole batch), TPOT (mean decode step), decode tokens/s\n"
+      "and peak GPU memory in use.  Without a GPU no kernel runs: every kernel variant the model needs is\n"
+      "rendered and compiled instead and the count and time are reported (exit status 0).\n"
+      "Environment: M3KIT_CHECK_NUMERICS=1 scans every op's output for NaN/Inf (names layer and op).\n");
+}
+
+static double now_s(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + t.tv_nsec / 1e9;
+}
+
+/* .npy version 1.0: magic, header length (u16 LE), a Python dict literal
+ * padded with spaces to a multiple of 64 bytes and ending in '\n', then raw
+ * little-endian float32 in C order. */
+static int write_npy(const char *path, const float *x, const int64_t *shape, int ndim) {
+  char dict[256];
+  int n = snprintf(dict, sizeof dict, "{'descr': '<f4', 'fortran_order': False, 'shape': (");
+  uint64_t count = 1;
+  for (int i = 0; i < ndim; i++) {
+    n += snprintf(dict + n, sizeof dict - (size_t)n, "%" PRId64 ", ", shape[i]);
+    count *= (uint64_t)shape[i];
+  }
+  n += snprintf(dict + n, sizeof dict - (size_t)n, "), }");
+  int total = 10 + n + 1, pad = (64 - total % 64) % 64;
+  FILE *f = fopen(path, "wb");
+  if (!f) return -1;
+  unsigned hl = (unsigned)(n + pad + 1);
+  unsigned char head[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, (unsigned char)(hl & 0xff), (unsigned char)(hl >> 8)};
+  int ok = fwrite(head, 1, 10, f) == 10 && fwrite(dict, 1, (size_t)n, f) == (size_t)n;
+  for (int i = 0; ok && i < pad; i++) ok = fputc(' ', f) != EOF;
+  ok = ok && fputc('\n', f) != EOF && fwrite(x, sizeof *x, count, f) == count;
+  return fclose(f) == 0 && ok ? 0 : -1;
+}
+
+static int parse_ids(const char *s, int32_t **ids, int *n) {
+  int cap = 16;
+  *n = 0;
+  *ids = malloc(sizeof **ids * (size_t)cap);
+  while (*ids && *s) {
+    char *end;
+    long v = strtol(s, &end, 10);
+    if (end == s) return -1;
+    if (*n == cap) *ids = realloc(*ids, sizeof **ids * (size_t)(cap *= 2));
+    if (!*ids) return -1;
+    (*ids)[(*n)++] = (int32_t)v;
+    s = *end == ',' ? end + 1 : end;
+    if (*end && *end != ',') return -1;
+  }
+  return *ids && *n > 0 ? 0 : -1;
+}
+
+/* No GPU: render + compile every variant the model needs for `arch`. */
+static int compile_only(const char *preset, const char *model, const char *arch) {
+  printf("m3kit run: no CUDA GPU on this machine: no kernel was run.\n"
+         "Rendering and compiling every kernel variant the model needs for %s instead (cubin cache).\n", arch);
+  m3_err e = {0};
+  m3_dims d;
+  m3_status s = m3_model_dims_for(preset, model, &d, &e);
+  if (s != M3_OK) return cli_fail("run", s, &e);
+  m3_jit j;
+  if ((s = m3_jit_open(&j, &e)) != M3_OK) return cli_fail("run", s, &e);
+  double t0 = now_s();
+  int built = 0, hits = 0, rc = 0;
+  for (const char *const *t = m3_lua_template_names(); *t && !rc; t++) {
+    m3_variant *vs = NULL;
+    int n = 0;
+    if ((s = m3_render_variants(j.lua, *t, &d, &vs, &n, &e)) != M3_OK) { rc = cli_fail("run", s, &e); break; }
+    for (int i = 0; i < n && !rc; i++) {
+      snprintf(vs[i].arch, sizeof vs[i].arch, "%s", arch);
+      m3_cubin cb;
+      if ((s = m3_render_default_tile(j.lua, &vs[i], &e)) != M3_OK || (s = m3_jit_build(&j, &vs[i], &cb, &e)) != M3_OK) {
+        rc = cli_fail("run", s, &e);
+        break;
+      }
+      built++;
+      hits += cb.hit;
+      if (m3_log_verbose()) {
+        char k[M3_KEY_MAX];
+        m3_variant_print(&vs[i], k, sizeof k);
+        printf("  %s %s\n", cb.hit ? "cached" : "built ", k);
+      }
+      m3_cubin_free(&cb);
+    }
+    free(vs);
+  }
+  if (!rc)
+    printf("%d kernel variants for %s (%s): %d compiled, %d from the cubin cache, %.1f s\n", built, arch,
+           model ? model : preset, built - hits, hits, now_s() - t0);
+  m3_jit_close(&j);
+  return rc;
+}
+
+typedef struct {
+  size_t total, min_free;
+} mem_watch;
+static void watch(mem_watch *w) {
+  size_t fr = 0, tot = 0;
+  if (cudaMemGetInfo(&fr, &tot) == cudaSuccess) {
+    w->total = tot;
+    if (!w->min_free || fr < w->min_free) w->min_free = fr;
+  }
+}
+
+int cmd_run(int argc, char **argv) {
+  static const struct option opts[] = {
+      {"model", required_argument, 0, 'm'},          {"preset", required_argument, 0, 'p'},
+      {"prompt-ids", required_argument, 0, 'i'},     {"context", required_argument, 0, 'c'},
+      {"max-new-tokens", required_argument, 0, 'n'}, {"batch", required_argument, 0, 'b'},
+      {"kv-dtype", required_argument, 0, 'k'},       {"index-dtype", required_argument, 0, 'x'},
+      {"resident-experts", required_argument, 0, 'r'}, {"dump-logits", required_argument, 0, 'd'},
+      {"seed", required_argument, 0, 's'},           {"temperature", required_argument, 0, 'T'},
+      {"top-p", required_argument, 0, 'P'},          {"chunk", required_argument, 0, 'C'},
+      {"no-graph", no_argument, 0, 'G'},             {"timing", no_argument, 0, 't'},
+      {"weights", required_argument, 0, 'w'},        {"arch", required_argument, 0, 'A'},
+      {"help", no_argument, 0, 'h'},                 {0, 0, 0, 0}};
+  const char *model = NULL, *preset = NULL, *ids_text = NULL, *dump = NULL, *arch = "sm_90";
+  int64_t context = 32;
+  int max_new = 16, batch = 1, kv8 = 0, ix8 = 0, resident = 0, chunk = 256, graph = 1, timing = 0, weights = -1, c;
+  uint64_t seed = 0;
+  float temperature = 0.0f, top_p = 1.0f;
+  optind = 1;
+  while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+    switch (c) {
+      case 'm': model = optarg; break;
+      case 'p': preset = optarg; break;
+      case 'i': ids_text = optarg; break;
+      case 'c': context = strtoll(optarg, NULL, 10); break;
+      case 'n': max_new = atoi(optarg); break;
+      case 'b': batch = atoi(optarg); break;
+      case 'k': case 'x': {
+        int v = !strcmp(optarg, "e4m3") ? 1 : !strcmp(optarg, "bf16") ? 0 : -1;
+        if (v < 0) { fprintf(stderr, "m3kit run: --%s takes bf16 or e4m3\n", c == 'k' ? "kv-dtype" : "index-dtype"); return 2; }
+        if (c == 'k') kv8 = v; else ix8 = v;
+        break;
+      }
+      case 'w':
+        weights = !strcmp(optarg, "mxfp8") ? 1 : !strcmp(optarg, "bf16") ? 0 : -2;
+        if (weights == -2) { fprintf(stderr, "m3kit run: --weights takes bf16 or mxfp8\n"); return 2; }
+        break;
+      case 'r': resident = atoi(optarg); break;
+      case 'd': dump = optarg; break;
+      case 's': seed = strtoull(optarg, NULL, 0); break;
+      case 'T': temperature = strtof(optarg, NULL); break;
+      case 'P': top_p = strtof(optarg, NULL); break;
+      case 'C': chunk = atoi(optarg); break;
+      case 'G': graph = 0; break;
+      case 't': timing = 1; break;
+      case 'A': arch = optarg; break;
+      case 'h': help(); return 0;
+      default: help(); return 2;
+    }
+  }
+  if (model && preset) { fprintf(stderr, "m3kit run: give --model or --preset, not both\n"); return 2; }
+  if (!model && !preset) preset = "tiny";
+  if (max_new < 1 || batch < 1 || context < 1 || chunk < 1) {
+    fprintf(stderr, "m3kit run: --max-new-tokens, --batch, --context and --chunk must be >= 1\n");
+    return 2;
+  }
+  if (m3_gpu_count() == 0) return compile_only(preset, model, arch);
+
+  m3_err e = {0};
+  m3_status s;
+  int32_t *prompt1 = NULL;
+  int plen = (int)context;
+  if (ids_text && parse_ids(ids_text, &prompt1, &plen) != 0) {
+    fprintf(stderr, "m3kit run: --prompt-ids wants comma-separated integers, got '%s'\n", ids_text);
+    return 2;
+  }
+  m3_rt rt;
+  if ((s = m3_rt_open(&rt, 0, &e)) != M3_OK) return cli_fail("run", s, &e);
+  mem_watch mw = {0};
+  watch(&mw);
+  size_t free0 = mw.min_free;
+  m3_model *m = NULL;
+  m3_forward *f = NULL;
+  m3_kv_cache kv = {0};
+  int32_t *prompts = NULL, *gen = NULL, *next = NULL;
+  float *logits = NULL;
+  int *seqs = NULL, rc = 0;
+  double t_load = now_s();
+  m3_model_opts mo = {.dir = model, .preset = preset, .resident_experts = resident, .mxfp8 = weights, .seed = seed};
+  if ((s = m3_model_load(&rt, &mo, &m, &e)) != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
+  t_load = now_s() - t_load;
+  watch(&mw);
+  const m3_config *cfg = &m->cfg;
+  const int V = cfg->vocab_size;
+  printf("model: %s, %d layers (%d sparse), hidden %d, %.2f GB of weights, loaded in %.1f s\n", m->source,
+         cfg->num_hidden_layers, m3_config_n_sparse_layers(cfg), cfg->hidden_size, m->weight_bytes / 1e9, t_load);
+
+  prompts = malloc(sizeof *prompts * (size_t)batch * (size_t)plen);
+  gen = malloc(sizeof *gen * (size_t)batch * (size_t)max_new);
+  next = malloc(sizeof *next * (size_t)batch);
+  seqs = malloc(sizeof *seqs * (size_t)batch);
+  if (!prompts || !gen || !next || !seqs) { rc = cli_fail("run", m3_errf(&e, M3_NOMEM, "buffers"), &e); goto out; }
+  m3_rng r = {seed ^ 0x5eedull};
+  for (int b = 0; b < batch; b++)
+    for (int i = 0; i < plen; i++)
+      prompts[(size_t)b * plen + i] = prompt1 ? prompt1[i] : (int32_t)(m3_rng_next(&r) % (uint64_t)V);
+
+  m3_fwd_opts fo = m3_fwd_defaults();
+  fo.max_batch = batch;
+  fo.max_chunk = chunk;
+  fo.use_graph = graph;
+  fo.timing = timing;
+  const int64_t total = (int64_t)plen + max_new;
+  m3_kv_opts ko = {.kv_e4m3 = kv8, .idx_e4m3 = ix8, .max_seqs = batch, .max_ctx = total,
+                   .reserve_bytes = m3_forward_activation_bytes(cfg, &fo, total) + (512ull << 20)};
+  if ((s = m3_kv_init(&kv, cfg, &ko, &e)) != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
+  printf("KV cache: %" PRId64 " pages of %d tokens, %.2f GB (%" PRIu64 " B/token, KV %s, index-K %s)\n",
+         kv.plan.num_pages, kv.plan.page_size, kv.plan.bytes / 1e9, kv.plan.bytes_per_token, kv8 ? "e4m3" : "bf16",
+         ix8 ? "e4m3" : "bf16");
+  if ((s = m3_forward_create(&rt, m, &kv, &fo, &f, &e)) != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
+  for (int b = 0; b < batch; b++)
+    if ((s = m3_kv_admit(&kv, total, &seqs[b], &e)) != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
+  if (dump && !(logits = malloc(sizeof *logits * (size_t)max_new * (size_t)batch * (size_t)V))) {
+    rc = cli_fail("run", m3_errf(&e, M3_NOMEM, "logits for --dump-logits"), &e);
+    goto out;
+  }
+  watch(&mw);
+
+  m3_sampling smp = {temperature, top_p, seed, 0};
+  double t0 = now_s();
+  for (int b = 0; b < batch; b++) {
+    s = m3_forward_prefill(f, seqs[b], plen, prompts + (size_t)b * plen, &smp, &next[b],
+                           logits ? logits + (size_t)b * V : NULL, &e);
+    if (s != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
+  }
+  double ttft = now_s() - t0;
+  for (int b = 0; b < batch; b++) gen[(size_t)b * max_new] = next[b];
+  if (timing) {
+    printf("\nprefill breakdown:\n");
+    m3_forward_print_timing(f, stdout);
+    m3_forward_reset_timing(f);
+  }
+  double t1 = now_s();
+  for (int step = 1; step < max_new; step++) {
+    smp.step = (uint64_t)step;
+    int32_t in[batch];
+    for (int b = 0; b < batch; b++) in[b] = next[b];
+    s = m3_forward_decode(f, batch, seqs, in, &smp, next, logits ? logits + (size_t)step * batch * V : NULL, &e);
+    if (s != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
+    for (int b = 0; b < batch; b++) gen[(size_t)b * max_new + step] = next[b];
+  }
+  double tdec = now_s() - t1;
+  watch(&mw);
+
+  for (int b = 0; b < batch; b++) {
+    printf("sequence %d: ", b);
+    for (int i = 0; i < max_new; i++) printf("%s%d", i ? "," : "", gen[(size_t)b * max_new + i]);
+    printf("\n");
+  }
+  int steps = max_new - 1;
+  printf("prompt %d tokens x %d sequences, %d new tokens each\n", plen, batch, max_new);
+  printf("TTFT %.2f ms (prefill of %d x %d tokens, %.0f tokens/s)\n", ttft * 1e3, batch, plen,
+         batch * plen / (ttft > 0 ? ttft : 1e-9));
+  if (steps > 0)
+    printf("TPOT %.3f ms (mean of %d decode steps at batch %d), %.1f tokens/s\n", tdec * 1e3 / steps, steps, batch,
+           (double)steps * batch / (tdec > 0 ? tdec : 1e-9));
+  printf("peak GPU memory in use %.2f GB (of %.2f GB; %.2f GB before loading)\n", (mw.total - mw.min_free) / 1e9,
+         mw.total / 1e9, (mw.total - free0) / 1e9);
+  if (timing) {
+    printf("\ndecode breakdown:\n");
+    m3_forward_print_timing(f, stdout);
+  }
+  if (dump) {
+    int64_t shape[3] = {max_new, batch, V};
+    if (write_npy(dump, logits, shape, 3) != 0) {
+      fprintf(stderr, "m3kit run: cannot write %s\n", dump);
+      rc = 1;
+    } else {
+      printf("logits [%d, %d, %d] float32 -> %s\n", max_new, batch, V, dump);
+    }
+  }
+out:
+  m3_forward_free(f);
+  m3_kv_free(&kv);
+  m3_model_free(m);
+  m3_rt_close(&rt);
+  free(prompt1);
+  free(prompts);
+  free(gen);
+  free(next);
+  free(seqs);
+  free(logits);
+  return rc;
+}
