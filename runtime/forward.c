@@ -357,11 +357,14 @@ m3_status m3_forward_prefill(m3_forward *f, int seq, int n, const int32_t *ids, 
     memcpy(f->h_ids, ids + t0, sizeof *ids * (size_t)nt);
     for (int i = 0; i < nt; i++) f->h_seq[i] = seq;
     M3_TRY(m3_kv_append(f->kv, seq, nt, f->h_pos, f->h_slot, e));
-    M3_TRY(upload_inputs(f, nt, e));
     step st = {.n = nt, .decode = 0, .gemv = nt <= DECODE_ROWS, .max_kv = f->h_pos[nt - 1] + 1,
                .b = device_batch(f)};
-    m3_status s = forward_body(f, &st, t0 + nt == n ? nt - 1 : -1, e);
-    if (s != M3_OK) return m3_err_prefix(e, "prefill of sequence %d, tokens [%d, %d): ", seq, t0, t0 + nt);
+    m3_status s = upload_inputs(f, nt, e);
+    if (s == M3_OK) s = forward_body(f, &st, t0 + nt == n ? nt - 1 : -1, e);
+    if (s != M3_OK) { /* the chunk is not in the caches: forget it (earlier chunks stay) */
+      f->kv->seq_lens[seq] -= nt;
+      return m3_err_prefix(e, "prefill of sequence %d, tokens [%d, %d): ", seq, t0, t0 + nt);
+    }
   }
   M3_TRY(finish(f, 1, smp, next, logits, e));
   return M3_OK;
@@ -426,7 +429,8 @@ m3_status m3_forward_decode(m3_forward *f, int n, const int *seqs, const int32_t
     M3_TRY(m3_kv_append(f->kv, seqs[i], 1, &f->h_pos[i], &f->h_slot[i], e));
     if (f->h_pos[i] + 1 > longest) longest = f->h_pos[i] + 1;
   }
-  M3_TRY(upload_inputs(f, n, e));
+  m3_status s = upload_inputs(f, n, e);
+  if (s != M3_OK) goto fail;
   step st = {.n = n, .decode = 1, .gemv = n <= DECODE_ROWS, .max_kv = ctx_bucket(f, longest), .b = device_batch(f)};
   /* Graphs need a step without host round trips: GEMV-sized (the cuBLAS MoE
    * path reads expert counts back), no timing events, no numerics scans. */
@@ -435,21 +439,25 @@ m3_status m3_forward_decode(m3_forward *f, int n, const int *seqs, const int32_t
   for (int i = 0; graphs && i < f->n_graphs && !gr; i++)
     if (f->graphs[i].n == n && f->graphs[i].bucket == st.max_kv) gr = &f->graphs[i];
   if (gr) {
-    M3_CUDA(e, cudaGraphLaunch(gr->exec, f->s));
+    cudaError_t ce = cudaGraphLaunch(gr->exec, f->s);
+    if (ce != cudaSuccess) s = m3_cuda_fail(e, ce, "cudaGraphLaunch", __FILE__, __LINE__);
   } else {
-    m3_status s = forward_body(f, &st, 0, e);
-    if (s != M3_OK) return m3_err_prefix(e, "decode step of %d sequences: ", n);
+    s = forward_body(f, &st, 0, e);
+    if (s != M3_OK) m3_err_prefix(e, "decode step of %d sequences: ", n);
     /* This step ran eagerly (it also built every kernel it needs); record it
      * as a graph for the next steps of this shape. */
-    if (graphs && f->n_graphs < MAX_GRAPHS) {
+    if (s == M3_OK && graphs && f->n_graphs < MAX_GRAPHS) {
       graph *ng = &f->graphs[f->n_graphs];
       ng->n = n;
       ng->bucket = st.max_kv;
-      M3_TRY(capture(f, &st, ng, e));
-      f->n_graphs++;
+      if ((s = capture(f, &st, ng, e)) == M3_OK) f->n_graphs++;
     }
   }
-  return finish(f, n, smp, next, logits, e);
+  if (s == M3_OK) s = finish(f, n, smp, next, logits, e);
+  if (s == M3_OK) return M3_OK;
+fail: /* this step's tokens are not (reliably) in the caches: forget them */
+  for (int i = 0; i < n; i++) f->kv->seq_lens[seqs[i]]--;
+  return s;
 }
 
 /* ------------------------------------------------------------------------ */

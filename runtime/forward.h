@@ -19,7 +19,12 @@
  * op's output for NaN/Inf after it runs and fails with M3_NUMERICS naming the
  * layer and the op (synchronises after every op; off by default, then no
  * cost); opts.timing records events around every kernel and
- * m3_forward_print_timing prints a per-op breakdown.
+ * m3_forward_print_timing prints a per-op breakdown.  Either one turns the
+ * decode graphs off (a replayed graph has no per-op boundaries).
+ *
+ * On any error of a prefill chunk or a decode step, the tokens of that chunk
+ * or step are taken back out of the sequences' lengths (their cache slots
+ * are simply overwritten later), so the caller may retry or release.
  */
 #ifndef M3_FORWARD_H
 #define M3_FORWARD_H

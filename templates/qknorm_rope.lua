@@ -105,13 +105,24 @@ M3_DEV f4 round4_bf16(f4 x) {
 }
 
 /* Gemma RMSNorm over the warp's 128-vector, then NeoX rotation of dims
- * [0, ROT): dim m pairs with m + ROT/2, so lane l's partner is l +- ROT/8. */
+ * [0, ROT): dim m pairs with m + ROT/2, so lane l's partner is l +- ROT/8.
+ * Bit-exact with m3_ref_qknorm_rope: the sum of squares is exact in fp64
+ * (bf16 squares need 16 bits; any order gives the same sum), and every fp32
+ * step is one explicitly rounded operation (no FMA contraction, IEEE sqrt and
+ * reciprocal) in the reference's order.  Costs nothing here (memory-bound),
+ * and it makes the e4m3 index outputs identical to the reference's, which the
+ * block selection downstream depends on. */
+M3_DEV double warp_sum_d(double v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
 M3_DEV f4 norm_rope(f4 x, const bf16_t *w, const bf16_t *cs, float eps, int lane) {
-  float ss = x.v[0] * x.v[0] + x.v[1] * x.v[1] + x.v[2] * x.v[2] + x.v[3] * x.v[3];
-  ss = warp_sum(ss);
-  float r = rsqrtf(ss * (1.0f / HD) + eps);
+  double ss = (double)x.v[0] * x.v[0] + (double)x.v[1] * x.v[1] + (double)x.v[2] * x.v[2] + (double)x.v[3] * x.v[3];
+  ss = warp_sum_d(ss);
+  float r = __frcp_rn(__fsqrt_rn(__fadd_rn(__fmul_rn((float)ss, 1.0f / HD), eps)));
   f4 wv = load4(w + lane * 4);
-  for (int i = 0; i < 4; i++) x.v[i] = x.v[i] * r * (1.0f + wv.v[i]);
+  for (int i = 0; i < 4; i++) x.v[i] = __fmul_rn(__fmul_rn(x.v[i], r), __fadd_rn(1.0f, wv.v[i]));
   const int half_lanes = ROT / 8;
   int first = lane < half_lanes;
   int partner = first ? lane + half_lanes : lane - half_lanes;
@@ -121,7 +132,8 @@ M3_DEV f4 norm_rope(f4 x, const bf16_t *w, const bf16_t *cs, float eps, int lane
     int m = first ? lane * 4 : lane * 4 - ROT / 2;
     f4 c = load4(cs + m), s = load4(cs + ROT / 2 + m);
     for (int i = 0; i < 4; i++)
-      x.v[i] = first ? x.v[i] * c.v[i] - o.v[i] * s.v[i] : x.v[i] * c.v[i] + o.v[i] * s.v[i];
+      x.v[i] = first ? __fsub_rn(__fmul_rn(x.v[i], c.v[i]), __fmul_rn(o.v[i], s.v[i]))
+                     : __fadd_rn(__fmul_rn(x.v[i], c.v[i]), __fmul_rn(o.v[i], s.v[i]));
   }
   return x;
 }

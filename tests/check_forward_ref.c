@@ -34,7 +34,7 @@ static int32_t prompt[MAXPOS];
 
 static void setup(void) {
   m3_err e = {0};
-  m3_status s = fwd_small_config(&cfg, 4, 1, MAXPOS, &e);
+  m3_status s = fwd_small_config(&cfg, 4, 1, MAXPOS, 0, &e);
   ck_assert_msg(s == M3_OK, "%s", e.msg);
   ck_assert_msg((s = fwd_ckpt_make(&cfg, 0, 1234, &ck_bf16, &e)) == M3_OK, "%s", e.msg);
   ck_assert_msg((s = m3_ref_model_load(&cfg, ck_bf16.k, &model, &e)) == M3_OK, "%s", e.msg);

@@ -20,11 +20,14 @@
 /* The "tiny" preset's widths (hidden 256, 8 q heads, 4 kv heads, head_dim 128,
  * vocab 2048, 8 experts top-4, block 16, top-k 4 blocks) with n_layers layers,
  * the first n_dense dense (dense attention + dense MLP), the rest sparse + MoE,
- * and max_position_embeddings max_pos.  Validated by a JSON round trip, so it
- * is a config the loader would accept. */
-static inline m3_status fwd_small_config(m3_config *c, int n_layers, int n_dense, int max_pos, m3_err *e) {
+ * max_position_embeddings max_pos, and topk_experts experts per token (0: the
+ * preset's 4).  Validated by a JSON round trip, so it is a config the loader
+ * would accept. */
+static inline m3_status fwd_small_config(m3_config *c, int n_layers, int n_dense, int max_pos, int topk_experts,
+                                         m3_err *e) {
   m3_config t;
   M3_TRY(m3_config_preset("tiny", &t, e));
+  if (topk_experts > 0) t.num_experts_per_tok = topk_experts;
   t.num_hidden_layers = n_layers;
   for (int l = 0; l < n_layers; l++) t.is_sparse[l] = t.is_moe[l] = t.disable_index_value[l] = l >= n_dense;
   t.max_position_embeddings = max_pos;

@@ -51,7 +51,7 @@ static void help(void) {
       "output:\n"
       "  --dump-logits FILE.npy   float32 [steps, batch, vocab]: step 0 = the prompt's last token, then\n"
       "                           one row per generated token\n"
-      "  --timing                 per-kernel time breakdown (CUDA events)\n"
+      "  --timing                 per-kernel time breakdown (CUDA events; decode then runs without graphs)\n"
       "  --arch SM                without a GPU: the arch to compile for (default sm_90)\n"
       "  --help\n\n"
       "Prints the generated ids, TTFT (prefill of the whole batch), TPOT (mean decode step), decode tokens/s\n"
