@@ -159,7 +159,7 @@ m3_status m3_jit_build_rendered(m3_jit *j, const m3_variant *v, const m3_source 
   }
   int lockfd = -1;
   if (m3_mkdirs(dir, &le) != M3_OK || m3_lock(path, &lockfd, &le) != M3_OK) {
-    m3_warn_once("cubin cache at %s is not usable (%s); compiling without caching", j->cache_root, le.msg);
+    m3_warn_once("cubin cache at %s is not usable (%s); continuing uncached", j->cache_root, le.msg);
     __atomic_fetch_add(&j->uncached, 1, __ATOMIC_RELAXED);
     s = compile(j, &src, v->arch, opts, out, e);
     goto done;

@@ -648,7 +648,7 @@ static int fill_fs(const char *path) {
 }
 
 static int fulldisk_child(void) {
-  int mounted = private_mounts() == 0 && mount("tmpfs", dir, "tmpfs", 0, "size=64k") == 0, merr = errno;
+  int mounted = private_mounts() == 0 && mount("tmpfs", dir, "tmpfs", 0, "size=1m") /* room for one cubin (~60 KB) once the filler is gone */ == 0, merr = errno;
   const char *how = "ENOSPC";
   char tpath[320], tdir[300], cdir[300], filler[300];
   snprintf(tdir, sizeof tdir, "%s/tuning", dir);

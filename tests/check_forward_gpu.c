@@ -305,7 +305,10 @@ START_TEST(graph_replay_equals_eager) {
 }
 END_TEST
 
-/* Two sequences of different lengths in one decode step == each alone. */
+/* Two sequences of different lengths in one decode step, against the
+ * reference's batched step.  Both stay within top-k x block tokens, so every
+ * visible block is selected and no near-tie of the selection can move the
+ * comparison (the dropping case is compare_run's). */
 START_TEST(batched_decode) {
   /* KNOWN FAILURE (stop 9): on the CPU emulator row 0 of this two-sequence
    * decode differs from the reference by rel 6e-2; not yet diagnosed (a
@@ -315,10 +318,10 @@ START_TEST(batched_decode) {
   const int V = cfg.vocab_size;
   m3_err e = {0};
   gpu_run g;
-  gpu_open(&g, 0, 1, 2, 1);
+  gpu_open(&g, 0, 1, 2, 1); /* e4m3 index cache: exercised, never decisive here */
   int s2;
   ck_assert_msg(m3_kv_admit(&g.kv, 40, &s2, &e) == M3_OK, "%s", e.msg);
-  ck_assert_msg(m3_forward_prefill(g.f, g.seq, 70, prompt, NULL, NULL, NULL, &e) == M3_OK, "%s", e.msg);
+  ck_assert_msg(m3_forward_prefill(g.f, g.seq, 60, prompt, NULL, NULL, NULL, &e) == M3_OK, "%s", e.msg);
   ck_assert_msg(m3_forward_prefill(g.f, s2, 21, prompt + 100, NULL, NULL, NULL, &e) == M3_OK, "%s", e.msg);
   int seqs[2] = {s2, g.seq};
   int32_t ids[2] = {prompt[300], prompt[301]};
@@ -327,7 +330,7 @@ START_TEST(batched_decode) {
   m3_ref_state *rs;
   ck_assert_int_eq(m3_ref_state_create(ref, 2, MAXPOS, 0, 1, &rs, &e), M3_OK);
   ck_assert_int_eq(m3_ref_prefill(rs, 0, 21, prompt + 100, 0, NULL, NULL, &e), M3_OK);
-  ck_assert_int_eq(m3_ref_prefill(rs, 1, 70, prompt, 0, NULL, NULL, &e), M3_OK);
+  ck_assert_int_eq(m3_ref_prefill(rs, 1, 60, prompt, 0, NULL, NULL, &e), M3_OK);
   int32_t rseq[2] = {0, 1};
   ck_assert_int_eq(m3_ref_step(rs, 2, rseq, ids, lr, &e), M3_OK);
   for (int i = 0; i < 2; i++) {
