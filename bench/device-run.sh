@@ -17,7 +17,7 @@ if has tests; then
   for t in ./check_*_gpu; do
     [ -x "$t" ] || continue
     start=$(date +%s)
-    timeout 300 "$t" > "$OUT/$(basename "$t").log" 2>&1
+    timeout ${T_TEST:-300} "$t" > "$OUT/$(basename "$t").log" 2>&1
     rc=$?
     log "$(basename "$t") rc=$rc $(tail -n 1 "$OUT/$(basename "$t").log" | cut -c1-160) ($(( $(date +%s) - start )) s)"
   done
@@ -38,9 +38,9 @@ if has bench; then
   log "bench rc=$?"
 fi
 if has run; then
-  (time ./m3kit run) > "$OUT/run-default.log" 2>&1
+  (time timeout ${T_RUN:-300} ./m3kit run) > "$OUT/run-default.log" 2>&1
   log "run (embedded) rc=$? $(tail -n 3 "$OUT/run-default.log" | tr '\n' ' ')"
-  (time ./m3kit run --preset minimax-m3 --context 131072 --max-new-tokens 32) > "$OUT/run-m3-128k.log" 2>&1
+  (time timeout ${T_RUN:-300} ./m3kit run --preset minimax-m3 --context 131072 --max-new-tokens 32) > "$OUT/run-m3-128k.log" 2>&1
   log "run minimax-m3 128K rc=$? $(tail -n 3 "$OUT/run-m3-128k.log" | tr '\n' ' ')"
 fi
 cat "$OUT/summary.txt"
