@@ -1,46 +1,81 @@
 #!/bin/sh
 # device-run.sh - everything one H200 session should measure, in one call:
 #   ./bench/pack-device.sh here, then on the device (carry [".dev"]):
-#   cd .dev && sh device-run.sh [tests|sanitize|tune|bench|run|all]...
-# Logs and results go to $OUT (the device tool brings them back).
+#   cd .dev && sh device-run.sh [tests] [sanitize] [tune] [bench] [run] [tpot] [all]
+# Correctness work (tests, sanitizers) runs concurrently: it only needs
+# answers, and a device call is limited to 10 minutes.  Timed work (tune,
+# bench, run, tpot) runs alone, one after the other.  Every log is packed
+# into $OUT/device-run.tar.gz (the device tool returns a few files only) and
+# the one-line results are also in $OUT/summary.txt.
+# Time limits (seconds): T_TEST (each test and sanitizer run, default 280),
+# T_TUNE (480), T_BENCH (240), T_RUN (150), T_TPOT (300).
 set -u
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+L=$OUT/logs
+mkdir -p "$L"
 export M3KIT_CACHE_DIR=${M3KIT_CACHE_DIR:-/tmp/m3kit-cache}
 export NCCL_NVLS_ENABLE=0
 what=${*:-all}
 log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 has() { case " $what " in *" $1 "*|*" all "*) return 0;; esac; return 1; }
+t0=$(date +%s)
+elapsed() { echo $(( $(date +%s) - t0 )); }
 
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$L/gpu.txt"
+# Warm the cubin cache once, so concurrent tests do not all cold-compile.
+rm -rf "$M3KIT_CACHE_DIR"
+( time ./m3kit gen --all --arch sm_90 -j 16 ) > "$L/gen-all-cold.log" 2>&1
+log "gen --all cold (every minimax-m3 variant, 16 jobs) rc=$? $(grep -E 'real|compiled|variants' "$L/gen-all-cold.log" | tr '\n' ' ')"
+( time ./m3kit gen --all --arch sm_90 ) > "$L/gen-all-warm.log" 2>&1
+log "gen --all warm rc=$? $(grep -E 'real|compiled|variants' "$L/gen-all-warm.log" | tr '\n' ' ')"
+
+pids=""
 if has tests; then
   for t in ./check_*_gpu; do
     [ -x "$t" ] || continue
-    start=$(date +%s)
-    timeout ${T_TEST:-300} "$t" > "$OUT/$(basename "$t").log" 2>&1
-    rc=$?
-    log "$(basename "$t") rc=$rc $(tail -n 1 "$OUT/$(basename "$t").log" | cut -c1-160) ($(( $(date +%s) - start )) s)"
+    n=$(basename "$t")
+    ( s=$(date +%s); timeout "${T_TEST:-280}" "$t" > "$L/$n.log" 2>&1; rc=$?
+      log "$n rc=$rc $(grep -E '^[0-9]+%: Checks' "$L/$n.log" | tail -n 1) ($(( $(date +%s) - s )) s)" ) &
+    pids="$pids $!"
   done
 fi
 if has sanitize; then
-  for tool in memcheck racecheck initcheck synccheck; do
-    M3KIT_SMALL=1 timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 ./check_qknorm_gpu > "$OUT/sanitize-$tool.log" 2>&1
-    log "compute-sanitizer $tool qknorm rc=$? $(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitize-$tool.log") clean summaries"
+  # M3KIT_SMALL=1: the tests' reduced shapes (tests/gpu_main.h).
+  for t in ./check_qknorm_gpu ./check_indexer_gpu ./check_attention_gpu ./check_ffn_gpu ./check_forward_gpu; do
+    [ -x "$t" ] || continue
+    for tool in memcheck racecheck initcheck synccheck; do
+      case "$tool:$t" in memcheck:*|*:./check_qknorm_gpu|*:./check_attention_gpu|*:./check_indexer_gpu) ;; *) continue;; esac
+      n=sanitize-$tool-$(basename "$t")
+      ( M3KIT_SMALL=1 timeout "${T_TEST:-280}" compute-sanitizer --tool $tool --error-exitcode 9 "$t" > "$L/$n.log" 2>&1
+        rc=$?
+        log "$n rc=$rc $(grep -E 'ERROR SUMMARY' "$L/$n.log" | tail -n 1) $(grep -E '^[0-9]+%: Checks' "$L/$n.log" | tail -n 1)" ) &
+      pids="$pids $!"
+    done
   done
 fi
+[ -n "$pids" ] && wait $pids
+log "correctness phase done at $(elapsed) s"
+
 if has tune; then
-  timeout 540 ./m3kit tune --budget 480 > "$OUT/tune.log" 2>&1
-  log "tune rc=$? $(tail -n 1 "$OUT/tune.log")"
+  timeout "${T_TUNE:-480}" ./m3kit tune --budget $(( ${T_TUNE:-480} - 30 )) > "$L/tune.log" 2>&1
+  log "tune rc=$? $(tail -n 1 "$L/tune.log") at $(elapsed) s"
   cp "$M3KIT_CACHE_DIR"/tuning/*.json "$OUT/" 2>/dev/null
+  ./m3kit tune --show > "$L/tune-show.txt" 2>&1
 fi
 if has bench; then
-  timeout 540 ./m3kit bench --out "$OUT/h200.md" > "$OUT/bench.log" 2>&1
-  log "bench rc=$?"
+  timeout "${T_BENCH:-240}" ./m3kit bench --out "$OUT/h200.md" > "$L/bench.log" 2>&1
+  log "bench rc=$? at $(elapsed) s"
 fi
 if has run; then
-  (time timeout ${T_RUN:-300} ./m3kit run) > "$OUT/run-default.log" 2>&1
-  log "run (embedded) rc=$? $(tail -n 3 "$OUT/run-default.log" | tr '\n' ' ')"
-  (time timeout ${T_RUN:-300} ./m3kit run --preset minimax-m3 --context 131072 --max-new-tokens 32) > "$OUT/run-m3-128k.log" 2>&1
-  log "run minimax-m3 128K rc=$? $(tail -n 3 "$OUT/run-m3-128k.log" | tr '\n' ' ')"
+  (time timeout "${T_RUN:-150}" ./m3kit run) > "$L/run-default.log" 2>&1
+  log "run (embedded) rc=$? $(grep -E '^(TTFT|TPOT)' "$L/run-default.log" | tr '\n' ' ')"
+  (time timeout "${T_RUN:-150}" ./m3kit run --preset minimax-m3 --context 131072 --max-new-tokens 32) > "$L/run-m3-128k.log" 2>&1
+  log "run minimax-m3 128K rc=$? $(grep -E '^(TTFT|TPOT|peak)' "$L/run-m3-128k.log" | tr '\n' ' ')"
 fi
+if has tpot && [ -x ./tpot_curve.sh ]; then
+  timeout "${T_TPOT:-300}" ./tpot_curve.sh "$OUT" > "$L/tpot.log" 2>&1
+  log "tpot curve rc=$? at $(elapsed) s"
+fi
+cp "$OUT/summary.txt" "$L/" 2>/dev/null
+tar -C "$OUT" -czf "$OUT/device-run.tar.gz" logs && rm -rf "$L"
 cat "$OUT/summary.txt"

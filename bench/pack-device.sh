@@ -12,5 +12,5 @@ for t in "$b"/tests/check_*_gpu; do
   [ -x "$t" ] && cp "$t" .dev/
 done
 cp bench/device-run.sh .dev/
-[ -f bench/baseline_torch.py ] && cp bench/baseline_torch.py .dev/
+for f in bench/baseline_torch.py bench/tpot_curve.sh; do [ -f "$f" ] && cp "$f" .dev/; done
 du -sh .dev

@@ -12,12 +12,38 @@
 #include "runtime/harness.h"
 #include "runtime/kernels.h"
 
-/* 1 in the tests/emu_* programs: kernels run on the CPU emulator (emu/emu.h),
- * so tests shrink their shapes and skip what the emulator cannot model. */
-static inline int m3_test_emulated(void) { return m3_driver_label() != NULL; }
+/* 1 for a reduced run: in the tests/emu_* programs (kernels run on the CPU
+ * emulator, emu/emu.h), and on a GPU with M3KIT_SMALL=1 (under
+ * compute-sanitizer, which slows kernels 10-100x).  Tests then shrink their
+ * shapes and skip the cases that need gigabytes. */
+static inline int m3_test_emulated(void) {
+  const char *s = getenv("M3KIT_SMALL");
+  return m3_driver_label() != NULL || (s && *s && *s != '0');
+}
 
 extern m3_rt g_rt;
 extern uint64_t g_seed;
+
+/* Per-test wall time, printed as each test ends (CK_VERBOSE prints its
+ * result next): on the device every call is time-limited, and a log that
+ * only reports at the end says nothing about a run that was cut short. */
+#include <time.h>
+static double gpu_test_t0_;
+static inline double gpu_test_now_(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+static inline void gpu_test_setup_(void) { gpu_test_t0_ = gpu_test_now_(); }
+static inline void gpu_test_teardown_(void) { printf("  (%.2f s)\n", gpu_test_now_() - gpu_test_t0_); }
+static inline TCase *gpu_tcase_create_(const char *name) {
+  TCase *tc = (tcase_create)(name);
+  tcase_add_checked_fixture(tc, gpu_test_setup_, gpu_test_teardown_);
+  return tc;
+}
+/* Every tcase of a GPU test gets the timing fixture without each file
+ * having to ask for it. */
+#define tcase_create(name) gpu_tcase_create_(name)
 
 #define GPU_CHECK(call)                                                        \
   do {                                                                         \
@@ -48,8 +74,10 @@ static inline int gpu_test_main(const char *name, Suite *(*make)(void)) {
   g_seed = m3_test_seed();
   printf("%s on %s (%s, %d SMs), seed %llu (set M3KIT_SEED to repeat)\n", name, g_rt.dev.name, g_rt.dev.arch,
          g_rt.dev.sm_count, (unsigned long long)g_seed);
+  setvbuf(stdout, NULL, _IOLBF, 0);
   SRunner *sr = srunner_create(make());
   srunner_set_fork_status(sr, CK_NOFORK);
+  srunner_set_log(sr, "-"); /* each result as its test ends */
   srunner_run_all(sr, CK_NORMAL);
   int failed = srunner_ntests_failed(sr);
   srunner_free(sr);
