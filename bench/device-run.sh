@@ -33,10 +33,17 @@ pids=""
 if has tests; then
   for t in ./check_*_gpu; do
     [ -x "$t" ] || continue
-    n=$(basename "$t")
-    ( s=$(date +%s); timeout "${T_TEST:-280}" "$t" > "$L/$n.log" 2>&1; rc=$?
-      log "$n rc=$rc $(grep -E '^[0-9]+%: Checks' "$L/$n.log" | tail -n 1) ($(( $(date +%s) - s )) s)" ) &
-    pids="$pids $!"
+    # The FFN side's nine kernel families run as nine processes (CK_RUN_CASE).
+    cases=-
+    [ "$t" = ./check_ffn_gpu ] && cases="norm embed route swiglu combine mxfp8 gemv moe sample"
+    for c in $cases; do
+      n=$(basename "$t"); [ "$c" = - ] || n=$n-$c
+      ( s=$(date +%s)
+        if [ "$c" = - ]; then timeout "${T_TEST:-280}" "$t"; else CK_RUN_CASE=$c timeout "${T_TEST:-280}" "$t"; fi > "$L/$n.log" 2>&1
+        rc=$?
+        log "$n rc=$rc $(grep -E '^[0-9]+%: Checks' "$L/$n.log" | tail -n 1) ($(( $(date +%s) - s )) s)" ) &
+      pids="$pids $!"
+    done
   done
 fi
 if has sanitize; then

@@ -9,8 +9,9 @@ For bf16 and mxfp8: write a tiny-preset checkpoint with 2 shards, then
     reports (`st_dump dump`), and the index's weight_map with the shards.
 
 usage: st_crosscheck.py [ST_DUMP] [--layers L]
-  ST_DUMP  the tests/st_dump driver (default ./tests/st_dump); it stands in for
-           `m3kit make-checkpoint --preset tiny --out DIR --shards 2 [--mxfp8]`.
+  ST_DUMP  the tests/st_dump driver (default ./tests/st_dump), the reader; the
+           writer is `m3kit make-checkpoint --preset tiny --out DIR --shards 2
+           [--mxfp8]` (ST_DUMP's ../m3kit, or $M3KIT), else `st_dump write`.
   --layers L  cut the preset to L layers (default: all 60).
 Exits 77 (automake "skip") when the safetensors package is not importable.
 """
@@ -37,12 +38,20 @@ def fail(msg):
 
 def check(st_dump, layers, mxfp8, tmp):
     d = os.path.join(tmp, "mxfp8" if mxfp8 else "bf16")
-    cmd = [st_dump, "write", d, "--preset", "tiny", "--shards", "2", "--seed", "7"]
+    # The product's own command writes it when it is at hand (the build
+    # directory, where automake runs this test); st_dump otherwise, or when
+    # the layer count is cut (make-checkpoint has no --layers).
+    m3kit = os.environ.get("M3KIT", os.path.join(os.path.dirname(os.path.abspath(st_dump)), "..", "m3kit"))
+    if not layers and os.access(m3kit, os.X_OK):
+        cmd = [m3kit, "make-checkpoint", "--preset", "tiny", "--out", d, "--shards", "2", "--seed", "7"]
+    else:
+        cmd = [st_dump, "write", d, "--preset", "tiny", "--shards", "2", "--seed", "7"]
+        if layers:
+            cmd += ["--layers", str(layers)]
     if mxfp8:
         cmd.append("--mxfp8")
-    if layers:
-        cmd += ["--layers", str(layers)]
-    subprocess.run(cmd, check=True)
+    print("st_crosscheck: writing with", " ".join(cmd[:2]))
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
     # What m3kit's reader sees.
     out = subprocess.run([st_dump, "dump", d], check=True, capture_output=True, text=True).stdout
