@@ -29,6 +29,9 @@ typedef struct m3_tune_op {
   /* Bytes (GB/s ops) or FLOPs (TFLOP/s ops) one launch must move / do. */
   double (*work)(void *st);
   void (*teardown)(void *st);
+  /* Optional: the unit of this state's work() when it differs by variant
+   * (attention: GB/s decode, TFLOP/s prefill); NULL: `unit`. */
+  const char *(*unit_of)(void *st);
 } m3_tune_op;
 
 /* NULL-terminated registry (autotune/ops_table.c). */

@@ -155,6 +155,16 @@ static int bucket_selected(const char *shapes, const m3_bucket *b) {
   return 1;
 }
 
+static int tile_selected(const char *list, const m3_variant *v) {
+  if (!list || !*list) return 1;
+  char t[512];
+  m3_variant_print_tile(v, t, sizeof t);
+  const size_t n = strlen(t);
+  for (const char *p = list; p && *p; p = strchr(p, ';') ? strchr(p, ';') + 1 : NULL)
+    if (!strncmp(p, t, n) && (p[n] == ';' || p[n] == 0)) return 1;
+  return 0;
+}
+
 m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_err *e) {
   memset(res, 0, sizeof *res);
   double t_start = now_s();
@@ -183,6 +193,11 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
     if ((s = m3_render_variants(rt->jit.lua, op->template_name, &dims, &vs, &nv, e))) break;
     for (int i = 0; i < nv && !s; i++) {
       snprintf(vs[i].arch, sizeof vs[i].arch, "%s", rt->dev.arch);
+      if (o->variant) {
+        char kt[M3_KEY_MAX];
+        m3_variant_print_axes(&vs[i], kt, sizeof kt);
+        if (!strstr(kt, o->variant)) continue;
+      }
       m3_bucket bs[32];
       int nb = op->buckets(&cfg, &vs[i], bs, 32);
       m3_variant *tiles = NULL;
@@ -200,6 +215,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
         for (int q = 0; q < nt; q++) {
           m3_err ve;
           char why[512];
+          if (!tile_selected(o->tiles, &tiles[q])) continue;
           if (nc == capc) {
             cands = realloc(cands, sizeof *cands * (size_t)(capc * 2));
             memset(cands + capc, 0, sizeof *cands * (size_t)capc);
@@ -231,8 +247,38 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
                            rt->dev.name, rt->dev.arch);
   double tc = now_s();
   long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+  /* A variant tuned at several buckets has the same candidates at each:
+   * compile each distinct kernel once, then share its outcome. */
+  int *dup = malloc(sizeof *dup * (size_t)(nc ? nc : 1));
+  char (*ktxt)[M3_KEY_MAX] = malloc(sizeof *ktxt * (size_t)(nc ? nc : 1));
+  if (!dup || !ktxt) {
+    free(dup);
+    free(ktxt);
+    s = m3_errf(e, M3_NOMEM, "tuner");
+    goto out;
+  }
+  for (int i = 0; i < nc; i++) {
+    dup[i] = -1;
+    m3_variant_print(&cands[i].v, ktxt[i], sizeof ktxt[i]);
+    for (int q = 0; q < i && cands[i].rendered; q++)
+      if (cands[q].rendered && !strcmp(ktxt[q], ktxt[i])) {
+        dup[i] = q;
+        cands[i].rendered = 0;
+      }
+  }
   m3_jit_build_many(&rt->jit, cands, nc, o->jobs > 0 ? o->jobs : (int)(ncpu > 0 ? ncpu : 2),
               o->compile_timeout_s > 0 ? o->compile_timeout_s : 60);
+  for (int i = 0; i < nc; i++)
+    if (dup[i] >= 0) {
+      const m3_jit_job *f = &cands[dup[i]];
+      cands[i].rendered = 1;
+      cands[i].status = f->status;
+      cands[i].hit = f->hit;
+      cands[i].size = f->size;
+      memcpy(cands[i].reason, f->reason, sizeof cands[i].reason);
+    }
+  free(dup);
+  free(ktxt);
   if (o->progress) fprintf(o->progress, "  compiled in %.1f s\n", now_s() - tc);
 
   if ((s = m3_measure_copy_gbs(rt, &res->copy_gbs, e))) goto out;
@@ -326,7 +372,8 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
       progress(o->progress, ++done, nc, t0);
     }
     double work = (ss == M3_OK && j->op->work) ? j->op->work(st) : 0;
-    if (ss == M3_OK) j->op->teardown(st);
+    const char *unit = (ss == M3_OK && j->op->unit_of) ? j->op->unit_of(st) : j->op->unit;
+    if (st) j->op->teardown(st); /* a failed setup leaves a partial state */
     /* The default stays unless a candidate is >= 2% faster. */
     int choose = best_i;
     if (def_i >= 0 && cs[def_i].disposition == M3_DISP_PASSED && best_i >= 0 &&
@@ -337,7 +384,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
     m3_variant_print_axes(&j->key, row->key, sizeof row->key);
     m3_bucket_format(&j->bucket, row->bucket, sizeof row->bucket);
     snprintf(row->default_tile, sizeof row->default_tile, "%s", deftile);
-    snprintf(row->unit, sizeof row->unit, "%s", j->op->unit);
+    snprintf(row->unit, sizeof row->unit, "%s", unit);
     row->n_candidates = j->n_cand;
     for (int q = 0; q < j->n_cand; q++) {
       row->n_passed += cs[q].disposition == M3_DISP_PASSED;
@@ -349,8 +396,8 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
     if (choose >= 0) {
       snprintf(row->tile, sizeof row->tile, "%s", tiles[choose]);
       row->tuned_us = cs[choose].median_us;
-      row->ceiling = !strcmp(j->op->unit, "GB/s") ? res->copy_gbs : 800.0;
-      row->achieved = !strcmp(j->op->unit, "GB/s") ? work / (row->tuned_us * 1e-6) / 1e9 : work / (row->tuned_us * 1e-6) / 1e12;
+      row->ceiling = !strcmp(unit, "GB/s") ? res->copy_gbs : 800.0;
+      row->achieved = !strcmp(unit, "GB/s") ? work / (row->tuned_us * 1e-6) / 1e9 : work / (row->tuned_us * 1e-6) / 1e12;
       row->pct = 100.0 * row->achieved / row->ceiling;
       char th[32];
       m3_schema sc;
@@ -369,7 +416,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
       r.tuned_us = row->tuned_us;
       r.prov = (m3_tune_provenance){rt->dev.name, rt->dev.sm_count, drv, nvv, cbv, th, PACKAGE_VERSION, date,
                                     o->command ? o->command : "m3kit tune"};
-      r.metric = (m3_tune_metric){j->op->unit, row->achieved, row->ceiling, row->pct};
+      r.metric = (m3_tune_metric){unit, row->achieved, row->ceiling, row->pct};
       r.n_candidates = (size_t)j->n_cand;
       r.candidates = cs;
       m3_err pe;

@@ -26,6 +26,8 @@ typedef struct m3_tune_opts {
   const char *model_dir;   /* DIR/config.json instead of a preset */
   const char *only;        /* template name, or NULL for all */
   const char *shapes;      /* "tokens=1,64" style filter of buckets, or NULL */
+  const char *variant;     /* only variants whose key contains this text, or NULL */
+  const char *tiles;       /* only these tiles, ';'-separated ("warps=4;warps=8"), or NULL */
   double budget_s;         /* stop starting new shapes after this (0: none) */
   int reps;                /* timed launches per candidate (>= 20) */
   int warmup;              /* untimed launches first (>= 2) */
