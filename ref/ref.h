@@ -173,6 +173,17 @@ void m3_ref_qknorm_rope(const m3_qkr_args *a,
     m3_bf16 *q_out,            /* [N, nq*hd] contiguous copy of normed+roped q (may be NULL: then only in place) */
     void *index_q_out);        /* [N, niq*hd] bf16 or e4m3 (sparse only) */
 
+/* The unfused KV insert of a dense layer (templates/kv_insert.lua): for each
+ * row t with slot_mapping[t] >= 0, K head g (already normed + rotated in
+ * place, i.e. qkv after m3_ref_qknorm_rope with insert = 0) and V head g
+ * copied into kv_cache at the §4.3 address, as bf16 or e4m3(float(x)).  With
+ * the same a (niq must be 0), qknorm(insert 0) then this gives bit for bit
+ * the caches of qknorm(insert 1).  Errors: none. */
+void m3_ref_kv_insert(const m3_qkr_args *a,
+    const m3_bf16 *qkv,                /* [N, (nq+2nkv)*hd] */
+    const int64_t *slot_mapping,       /* [N], < 0 = skip */
+    void *kv_cache);                   /* [num_blocks, nkv, block_size, 2*hd] bf16 or e4m3 */
+
 /* ------------------------------------------------------------------------ */
 /* The paged batch both the indexer and attention read (§4.2, §5.5, §6)      */
 /* ------------------------------------------------------------------------ */

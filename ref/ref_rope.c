@@ -132,3 +132,21 @@ void m3_ref_qknorm_rope(const m3_qkr_args *a, m3_bf16 *qkv, const m3_bf16 *q_w,
     }
   }
 }
+
+void m3_ref_kv_insert(const m3_qkr_args *a, const m3_bf16 *qkv, const int64_t *slot_mapping, void *kv_cache) {
+  const int hd = a->head_dim, nq = a->nq, nkv = a->nkv;
+  const int64_t bs = a->block_size, row = (int64_t)(nq + 2 * nkv) * hd;
+  for (int64_t t = 0; t < a->n_tokens; t++) {
+    const int64_t slot = slot_mapping[t];
+    if (slot < 0) continue;
+    for (int g = 0; g < nkv; g++)
+      for (int half = 0; half < 2; half++) {
+        const m3_bf16 *src = qkv + t * row + (int64_t)(nq + half * nkv + g) * hd;
+        int64_t at = (((slot / bs) * nkv + g) * bs + slot % bs) * 2 * (int64_t)hd + half * hd;
+        for (int d = 0; d < hd; d++) {
+          if (a->kv_e4m3) ((m3_e4m3 *)kv_cache)[at + d] = m3_f32_to_e4m3(m3_bf16_to_f32(src[d]));
+          else ((m3_bf16 *)kv_cache)[at + d] = src[d];
+        }
+      }
+  }
+}

@@ -223,3 +223,52 @@ m3_status m3_l2_flush(cudaStream_t stream, m3_err *e) {
   M3_CUDA(e, cudaMemsetAsync(buf, 0, bytes, stream));
   return M3_OK;
 }
+
+m3_status m3_time_graph(m3_timed_fn fn, void *arg, int n, double per, cudaStream_t stream, int reps, m3_timing *t,
+                        m3_err *e) {
+  cudaGraph_t g;
+  cudaGraphExec_t x;
+  if (reps < 1) reps = 1;
+  cudaError_t ce = cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
+  if (ce != cudaSuccess) return m3_errf(e, M3_CUDA, "cudaStreamBeginCapture: %s", cudaGetErrorString(ce));
+  m3_status s = M3_OK;
+  for (int i = 0; i < n && s == M3_OK; i++) s = fn(arg, i, e);
+  ce = cudaStreamEndCapture(stream, &g);
+  if (s != M3_OK) {
+    if (ce == cudaSuccess) cudaGraphDestroy(g);
+    return s;
+  }
+  if (ce != cudaSuccess) return m3_errf(e, M3_CUDA, "cudaStreamEndCapture: %s", cudaGetErrorString(ce));
+  ce = cudaGraphInstantiate(&x, g, 0);
+  cudaGraphDestroy(g);
+  if (ce != cudaSuccess) return m3_errf(e, M3_CUDA, "cudaGraphInstantiate: %s", cudaGetErrorString(ce));
+  double *us = malloc(sizeof *us * (size_t)reps);
+  cudaEvent_t a = NULL, b = NULL;
+  if (!us) s = m3_errf(e, M3_NOMEM, "timing");
+  if (s == M3_OK && (cudaEventCreate(&a) != cudaSuccess || cudaEventCreate(&b) != cudaSuccess))
+    s = m3_errf(e, M3_CUDA, "cudaEventCreate");
+  for (int i = 0; i < 3 && s == M3_OK; i++)
+    if ((ce = cudaGraphLaunch(x, stream)) != cudaSuccess) s = m3_errf(e, M3_CUDA, "cudaGraphLaunch: %s", cudaGetErrorString(ce));
+  for (int i = 0; i < reps && s == M3_OK; i++) {
+    float ms = 0;
+    cudaEventRecord(a, stream);
+    if ((ce = cudaGraphLaunch(x, stream)) != cudaSuccess) s = m3_errf(e, M3_CUDA, "cudaGraphLaunch: %s", cudaGetErrorString(ce));
+    cudaEventRecord(b, stream);
+    if (s == M3_OK && (ce = cudaEventSynchronize(b)) != cudaSuccess)
+      s = m3_errf(e, M3_CUDA, "graph replay failed: %s", cudaGetErrorString(ce));
+    if (s == M3_OK) cudaEventElapsedTime(&ms, a, b);
+    us[i] = 1000.0 * ms / per;
+  }
+  if (s == M3_OK) {
+    qsort(us, (size_t)reps, sizeof *us, cmp_double);
+    t->reps = reps;
+    t->median_us = us[reps / 2];
+    t->p20_us = us[(reps * 2) / 10];
+    t->p80_us = us[(reps * 8) / 10 < reps ? (reps * 8) / 10 : reps - 1];
+  }
+  if (a) cudaEventDestroy(a);
+  if (b) cudaEventDestroy(b);
+  cudaGraphExecDestroy(x);
+  free(us);
+  return s;
+}

@@ -63,6 +63,16 @@ typedef struct m3_timing { double median_us, p20_us, p80_us; int reps; } m3_timi
 m3_status m3_time_events(m3_timed_fn fn, void *arg, cudaStream_t stream, int warmup, int reps,
                          m3_timing *t, m3_err *e);
 
+/* Per-launch time of a CUDA graph: fn(arg, 0..n-1) captured once on `stream`
+ * (n launches back to back, e.g. one per rotating input set or per layer),
+ * replayed 3 times untimed, then `reps` timed replays; times are per replay
+ * divided by `per` (the number of units the caller counts in one replay).
+ * This is how the decode step runs (forward.c captures it as a graph), so it
+ * excludes the per-launch CPU overhead events include.  Errors: M3_CUDA
+ * (capture, instantiate, replay), M3_NOMEM, or whatever fn returns. */
+m3_status m3_time_graph(m3_timed_fn fn, void *arg, int n, double per, cudaStream_t stream, int reps, m3_timing *t,
+                        m3_err *e);
+
 /* A buffer larger than L2 to evict it between timed runs. */
 m3_status m3_l2_flush(cudaStream_t stream, m3_err *e);
 

@@ -1,7 +1,7 @@
 /* op_qknorm.c - key and launcher of the fused qk-norm + RoPE (+ insert)
  * kernel (see ops.h).  The grid follows the template's work decomposition:
  * one warp per (token, head slot), tile.hpw slots per warp, tile.warps warps
- * per CTA. */
+ * per CTA.  Also the unfused insert kv_insert (one warp per cache row). */
 #include <stdio.h>
 
 #include "runtime/ops.h"
@@ -27,5 +27,23 @@ m3_status m3_launch_qknorm_rope(const m3_kernel *k, const m3_qkr_args *a, void *
   float eps = a->eps;
   void *args[] = {&qkv, &q_w, &k_w, &iq_w, &ik_w, &cos_sin, &positions, &slot_mapping, &index_slot_mapping,
                   &kv_cache, &index_cache, &q_out, &index_q_out, &n, &max_pos, &eps};
+  return m3_launch(&k->mod, grid, 1, 1, (CUstream)stream, args, e);
+}
+
+m3_status m3_kv_insert_key(const m3_qkr_args *a, m3_variant *v, m3_err *e) {
+  if (a->niq) return m3_errf(e, M3_INVAL, "kv_insert: dense layers only (niq %d)", a->niq);
+  char k[M3_KEY_MAX];
+  snprintf(k, sizeof k, "kv_insert(kv=%s,nq=%d,nkv=%d,hd=%d,bs=%d)", a->kv_e4m3 ? "e4m3" : "bf16", a->nq, a->nkv,
+           a->head_dim, a->block_size);
+  return m3_variant_parse(k, v, e);
+}
+
+m3_status m3_launch_kv_insert(const m3_kernel *k, const m3_qkr_args *a, const void *qkv,
+                              const int64_t *slot_mapping, void *kv_cache, cudaStream_t stream, m3_err *e) {
+  if (a->niq) return m3_errf(e, M3_INVAL, "kv_insert: dense layers only (niq %d)", a->niq);
+  long warps = m3_variant_tile_int(&k->key, "warps", 4), items = (long)a->n_tokens * a->nkv * 2;
+  unsigned grid = (unsigned)((items + warps - 1) / warps);
+  int n = a->n_tokens;
+  void *args[] = {&qkv, &slot_mapping, &kv_cache, &n};
   return m3_launch(&k->mod, grid, 1, 1, (CUstream)stream, args, e);
 }

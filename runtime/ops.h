@@ -28,4 +28,14 @@ m3_status m3_launch_qknorm_rope(const m3_kernel *k, const m3_qkr_args *a, void *
                                 const int64_t *index_slot_mapping, void *kv_cache, void *index_cache,
                                 void *q_out, void *index_q_out, cudaStream_t stream, m3_err *e);
 
+/* ---- the unfused dense-layer KV insert; templates/kv_insert.lua ---- */
+
+/* Key of kv_insert for a (a->niq must be 0: dense layers only). */
+m3_status m3_kv_insert_key(const m3_qkr_args *a, m3_variant *v, m3_err *e);
+
+/* K and V of a->n_tokens dense qkv rows into kv_cache, as m3_ref_kv_insert;
+ * rows with slot < 0 skipped.  Errors: M3_INVAL (a->niq != 0), M3_CUDA. */
+m3_status m3_launch_kv_insert(const m3_kernel *k, const m3_qkr_args *a, const void *qkv,
+                              const int64_t *slot_mapping, void *kv_cache, cudaStream_t stream, m3_err *e);
+
 #endif

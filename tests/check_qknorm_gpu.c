@@ -344,6 +344,96 @@ START_TEST(cache_offsets_past_2GiB) {
 }
 END_TEST
 
+
+/* The unfused dense-layer insert (templates/kv_insert.lua): qknorm_rope with
+ * insert=0 then kv_insert gives bit for bit the cache of the fused kernel,
+ * and the reference's (m3_ref_qknorm_rope then m3_ref_kv_insert); padding
+ * rows write nothing; every valid kv_insert tile gives the same bytes. */
+START_TEST(unfused_insert_equals_fused) {
+  static const int Tn[3] = {1, 7, 128};
+  const int kv8 = _i & 1, N = Tn[_i >> 1];
+  m3_err e;
+  m3_qkr_args fused = base_args(0, 1, kv8, 0, N), plain = base_args(0, 0, 0, 0, N), ins = fused;
+  const int hd = 128, bs = 128;
+  const size_t row = row_of(&fused), kvb = kv8 ? 1 : 2;
+  const int64_t pages = (N + bs - 1) / bs + 1;
+  const size_t kv_bytes = (size_t)pages * fused.nkv * bs * 2 * hd * kvb;
+  m3_rng r = {g_seed ^ 0x1a5e7ull ^ (uint64_t)_i};
+  m3_bf16 *qkv = malloc(sizeof *qkv * N * row), w[2][128];
+  int64_t *pos = malloc(sizeof *pos * N), *slot = malloc(sizeof *slot * N);
+  m3_fill_bf16(&r, qkv, (size_t)N * row, 1.0f);
+  m3_fill_bf16(&r, w[0], 128, 0.2f);
+  m3_fill_bf16(&r, w[1], 128, 0.2f);
+  for (int t = 0; t < N; t++) {
+    pos[t] = (int64_t)(m3_rng_next(&r) % MAXPOS);
+    slot[t] = t % 5 == 3 ? -1 : (int64_t)((t * 37 + 11) % (pages * bs)); /* 37 odd: distinct slots */
+  }
+  /* Reference: norm+RoPE in place, then the insert. */
+  m3_bf16 *rq = malloc(sizeof *rq * N * row);
+  uint8_t *ref = malloc(kv_bytes), *got_f = malloc(kv_bytes), *got_u = malloc(kv_bytes);
+  memcpy(rq, qkv, sizeof *rq * N * row);
+  memset(ref, 0xff, kv_bytes);
+  m3_ref_qknorm_rope(&plain, rq, w[0], w[1], NULL, NULL, h_tab, pos, NULL, NULL, NULL, NULL, NULL, NULL);
+  m3_ref_kv_insert(&ins, rq, slot, ref);
+
+  void *d_qkv, *d_w, *d_pos, *d_slot, *d_kv;
+  GPU_CHECK(m3_dev_alloc(&d_qkv, sizeof *qkv * N * row, &e_));
+  GPU_CHECK(m3_dev_alloc(&d_w, sizeof w, &e_));
+  GPU_CHECK(m3_dev_alloc(&d_pos, sizeof *pos * N, &e_));
+  GPU_CHECK(m3_dev_alloc(&d_slot, sizeof *slot * N, &e_));
+  GPU_CHECK(m3_dev_alloc(&d_kv, kv_bytes, &e_));
+  GPU_CHECK(m3_dev_upload(d_w, w, sizeof w, &e_));
+  GPU_CHECK(m3_dev_upload(d_pos, pos, sizeof *pos * N, &e_));
+  GPU_CHECK(m3_dev_upload(d_slot, slot, sizeof *slot * N, &e_));
+  m3_bf16 *dw = d_w;
+  m3_variant vf, vp, vi, *tiles;
+  m3_kernel *kf, *kp, *ki;
+  ck_assert_int_eq(m3_qknorm_key(&fused, &vf, &e), M3_OK);
+  ck_assert_int_eq(m3_qknorm_key(&plain, &vp, &e), M3_OK);
+  ck_assert_int_eq(m3_kv_insert_key(&ins, &vi, &e), M3_OK);
+  GPU_CHECK(m3_rt_kernel(&g_rt, &vf, NULL, &kf, &e_));
+  GPU_CHECK(m3_rt_kernel(&g_rt, &vp, NULL, &kp, &e_));
+  char ctx[600];
+  m3_variant_print(&vi, ctx, sizeof ctx);
+  snprintf(ctx + strlen(ctx), sizeof ctx - strlen(ctx), " T=%d seed=%llu", N, (unsigned long long)g_seed);
+
+  /* Fused. */
+  GPU_CHECK(m3_dev_upload(d_qkv, qkv, sizeof *qkv * N * row, &e_));
+  GPU_CHECK(m3_dev_poison(d_kv, kv_bytes, &e_));
+  GPU_CHECK(m3_launch_qknorm_rope(kf, &fused, d_qkv, dw, dw + 128, NULL, NULL, d_tab, MAXPOS, d_pos, d_slot, NULL,
+                                  d_kv, NULL, NULL, NULL, g_rt.stream, &e_));
+  ck_assert_int_eq(cudaStreamSynchronize(g_rt.stream), cudaSuccess);
+  GPU_CHECK(m3_dev_download(got_f, d_kv, kv_bytes, &e_));
+  ck_assert_msg(memcmp(got_f, ref, kv_bytes) == 0, "%s: fused insert differs from the reference", ctx);
+
+  /* Unfused, every valid kv_insert tile. */
+  snprintf(vi.arch, sizeof vi.arch, "%s", g_rt.dev.arch);
+  int nt, ran = 0;
+  ck_assert_int_eq(m3_render_tiles(g_rt.jit.lua, &vi, &tiles, &nt, &e), M3_OK);
+  for (int i = 0; i < nt; i++) {
+    if (m3_render_valid(g_rt.jit.lua, &tiles[i], NULL, 0, &e) != M3_OK) continue;
+    GPU_CHECK(m3_dev_upload(d_qkv, qkv, sizeof *qkv * N * row, &e_));
+    GPU_CHECK(m3_dev_poison(d_kv, kv_bytes, &e_));
+    GPU_CHECK(m3_rt_kernel(&g_rt, &tiles[i], NULL, &ki, &e_));
+    GPU_CHECK(m3_launch_qknorm_rope(kp, &plain, d_qkv, dw, dw + 128, NULL, NULL, d_tab, MAXPOS, d_pos, NULL, NULL,
+                                    NULL, NULL, NULL, NULL, g_rt.stream, &e_));
+    GPU_CHECK(m3_launch_kv_insert(ki, &ins, d_qkv, d_slot, d_kv, g_rt.stream, &e_));
+    ck_assert_int_eq(cudaStreamSynchronize(g_rt.stream), cudaSuccess);
+    GPU_CHECK(m3_dev_download(got_u, d_kv, kv_bytes, &e_));
+    char t[64];
+    m3_variant_print_tile(&tiles[i], t, sizeof t);
+    ck_assert_msg(memcmp(got_u, got_f, kv_bytes) == 0, "%s [%s]: unfused insert differs from the fused one", ctx, t);
+    ran++;
+  }
+  ck_assert_int_gt(ran, 1);
+  free(tiles);
+  m3_qkr_args bad = base_args(1, 1, 0, 0, N);
+  ck_assert_int_eq(m3_launch_kv_insert(ki, &bad, d_qkv, d_slot, d_kv, g_rt.stream, &e), M3_INVAL);
+  m3_dev_free(d_qkv); m3_dev_free(d_w); m3_dev_free(d_pos); m3_dev_free(d_slot); m3_dev_free(d_kv);
+  free(qkv); free(pos); free(slot); free(rq); free(ref); free(got_f); free(got_u);
+}
+END_TEST
+
 static Suite *make(void) {
   Suite *s = suite_create("qknorm_rope_gpu");
   TCase *tc = tcase_create("kernel");
@@ -354,6 +444,7 @@ static Suite *make(void) {
   tcase_add_loop_test(tc, neox_pairing_every_variant, 0, 9);
   tcase_add_test(tc, short_metadata_and_padding);
   tcase_add_loop_test(tc, cache_offsets_past_2GiB, 0, 2);
+  tcase_add_loop_test(tc, unfused_insert_equals_fused, 0, 6);
   suite_add_tcase(s, tc);
   return s;
 }
