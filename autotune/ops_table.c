@@ -5,9 +5,12 @@
 
 #include "autotune/op.h"
 
-extern const m3_tune_op m3_tune_op_qknorm;
+extern const m3_tune_op m3_tune_op_qknorm, m3_tune_op_index_decode, m3_tune_op_index_prefill, m3_tune_op_attn_sparse,
+    m3_tune_op_attn_dense, m3_tune_op_swiglu;
 
-const m3_tune_op *const m3_tune_ops[] = {&m3_tune_op_qknorm, NULL};
+const m3_tune_op *const m3_tune_ops[] = {&m3_tune_op_qknorm,      &m3_tune_op_index_decode, &m3_tune_op_index_prefill,
+                                         &m3_tune_op_attn_sparse, &m3_tune_op_attn_dense,   &m3_tune_op_swiglu,
+                                         NULL};
 
 const m3_tune_op *m3_tune_op_find(const char *name) {
   for (int i = 0; m3_tune_ops[i]; i++)

@@ -94,6 +94,61 @@ START_TEST(runtime_reads_what_the_tuner_wrote) {
 }
 END_TEST
 
+/* One adapter at a tiny bucket with two candidate tiles, the first made
+ * wrong by the hook: the tuner runs, rejects it as INCORRECT, and chooses
+ * the other one (verified against the reference, so PASSED). */
+typedef struct { const char *op, *variant, *shapes, *broken, *good; int emu; } adapter_case;
+
+static const adapter_case ADAPTERS[] = {
+    {"index_decode", "idxk=bf16", "tokens=1;ctx=8192", "warps=8,depth=2,waves=1,chunk=16,cvt=alu",
+     "warps=4,depth=2,waves=1,chunk=16,cvt=alu", 1},
+    {"index_decode", "idxk=e4m3", "tokens=1;ctx=8192", "warps=4,depth=4,waves=1,chunk=16,cvt=alu",
+     "warps=4,depth=4,waves=1,chunk=16,cvt=hw", 1},
+    {"index_prefill", "stage=score,idxk=bf16", "tokens=256;ctx=256", "warps=4", "warps=2", 1},
+    {"index_prefill", "stage=topk,idxk=e4m3", "tokens=256;ctx=256", "warps=2", "warps=8", 1},
+    {"attn_sparse", "mode=decode,kv=bf16", "tokens=1;ctx=8192", "warps=8,ctas=1", "warps=4,ctas=2", 1},
+    {"attn_sparse", "mode=prefill,kv=e4m3", "tokens=256;ctx=256", "warps=4,ctas=1", "warps=8,ctas=1"},
+    {"attn_dense", "mode=decode,kv=e4m3", "tokens=1;ctx=1024", "warps=8,ctas=1", "warps=4,ctas=1", 1},
+    {"attn_dense", "mode=prefill,kv=bf16", "tokens=256;ctx=256", "warps=4,ctas=1", "warps=2,ctas=1"},
+    {"swiglu", "inter=12288", "tokens=8", "threads=256", "threads=128", 1},
+};
+
+START_TEST(adapter_rejects_broken_candidate) {
+  const adapter_case *c = &ADAPTERS[_i];
+  /* Prefill attention at its smallest bucket is ~5e8 multiply-adds a launch:
+   * minutes per candidate on the emulator.  The GPU runs it. */
+  if (m3_test_emulated() && !c->emu) {
+    printf("  %s %s: skipped on the emulator\n", c->op, c->variant);
+    return;
+  }
+  char hook[160], tiles[320], db[300];
+  snprintf(hook, sizeof hook, "broken=%s", c->broken);
+  snprintf(tiles, sizeof tiles, "%s;%s", c->broken, c->good);
+  snprintf(db, sizeof db, "%s.%s.%d", dbfile, c->op, _i);
+  setenv("M3KIT_TUNE_TEST_HOOK", hook, 1);
+  m3_tune_opts o = {.preset = "minimax-m3", .only = c->op, .variant = c->variant, .shapes = c->shapes,
+                    .tiles = tiles, .reps = 20, .db_path = db};
+  m3_tune_result res;
+  m3_err e;
+  m3_status s = m3_tune_run(&g_rt, &o, &res, &e);
+  unsetenv("M3KIT_TUNE_TEST_HOOK");
+  ck_assert_msg(s == M3_OK, "%s %s: %s", c->op, c->variant, e.msg);
+  ck_assert_msg(res.n_rows == 1, "%s %s at %s: %d rows", c->op, c->variant, c->shapes, res.n_rows);
+  const m3_tune_row *r = &res.rows[0];
+  printf("  %s %s %s: tile %s, %.1f us, %.3g %s (%d passed, %d incorrect, %d failed of %d)\n", c->op, r->key,
+         r->bucket, r->tile, r->tuned_us, r->achieved, r->unit, r->n_passed, r->n_incorrect, r->n_failed,
+         r->n_candidates);
+  ck_assert_int_eq(r->n_candidates, 2);
+  ck_assert_msg(r->n_incorrect == 1, "%s: the broken tile was not rejected (%d incorrect)", c->op, r->n_incorrect);
+  ck_assert_msg(r->n_passed == 1, "%s: the good tile did not pass (%d passed, %d failed)", c->op, r->n_passed,
+                r->n_failed);
+  ck_assert_str_eq(r->tile, c->good);
+  ck_assert(r->tuned_us > 0 && r->achieved > 0);
+  m3_tune_result_free(&res);
+  unlink(db);
+}
+END_TEST
+
 static Suite *make(void) {
   Suite *s = suite_create("tune_gpu");
   TCase *tc = tcase_create("tuner");
@@ -102,6 +157,10 @@ static Suite *make(void) {
   tcase_add_test(tc, slow_candidate_never_wins_and_times_exclude_compiles);
   tcase_add_test(tc, runtime_reads_what_the_tuner_wrote);
   suite_add_tcase(s, tc);
+  TCase *ad = tcase_create("adapters");
+  tcase_set_timeout(ad, 1800);
+  tcase_add_loop_test(ad, adapter_rejects_broken_candidate, 0, (int)(sizeof ADAPTERS / sizeof *ADAPTERS));
+  suite_add_tcase(s, ad);
   return s;
 }
 
