@@ -480,3 +480,30 @@ m3_status m3_model_load(m3_rt *rt, const m3_model_opts *o, m3_model **out, m3_er
   *out = m;
   return M3_OK;
 }
+
+/* See model.h: random cache entries stand in for a prefill. */
+m3_status m3_kv_fill_synthetic(m3_rt *rt, m3_kv_cache *kv, const int *seqs, int batch, int n, uint64_t seed,
+                               m3_err *e) {
+  const m3_config *c = &kv->cfg;
+  int64_t *pos = malloc(sizeof *pos * (size_t)n), *slot = malloc(sizeof *slot * (size_t)n);
+  if (!pos || !slot) {
+    free(pos), free(slot);
+    return m3_errf(e, M3_NOMEM, "synthetic cache: slot lists");
+  }
+  m3_status s = M3_OK;
+  for (int b = 0; b < batch && s == M3_OK; b++) s = m3_kv_append(kv, seqs[b], n, pos, slot, e);
+  free(pos), free(slot);
+  const int64_t tok = kv->plan.num_pages * (int64_t)kv->plan.page_size;
+  for (int l = 0; l < c->num_hidden_layers && s == M3_OK; l++) {
+    s = m3_fill(rt, kv->kv[l], tok * c->num_key_value_heads * 2 * c->head_dim, kv->plan.kv_e4m3 ? "e4m3" : "bf16",
+                seed * 1000003u + (uint64_t)l, 1.0f, rt->stream, e);
+    if (s == M3_OK && c->is_sparse[l])
+      s = m3_fill(rt, kv->ix[l], tok * c->sparse_index_dim, kv->plan.idx_e4m3 ? "e4m3" : "bf16",
+                  seed * 1000003u + 500000u + (uint64_t)l, 1.0f, rt->stream, e);
+  }
+  if (s == M3_OK) s = m3_kv_sync(kv, rt->stream, e);
+  if (s == M3_OK && cudaStreamSynchronize(rt->stream) != cudaSuccess)
+    s = m3_errf(e, M3_CUDA, "synthetic cache fill: %s", cudaGetErrorString(cudaGetLastError()));
+  return s;
+}
+

@@ -52,6 +52,7 @@
 #include "ref/numerics.h"
 #include "runtime/config.h"
 #include "runtime/kernels.h"
+#include "runtime/kv_cache.h"
 
 /* A linear weight [rows, cols] (PyTorch [out, in]); for a stack of experts,
  * rows covers one expert and n_stack experts follow each other. */
@@ -132,5 +133,15 @@ uint64_t m3_synth_seed(uint64_t seed, const char *name);
  * "bf16", "e4m3" or "f32".  Errors: M3_CUDA, the JIT's. */
 m3_status m3_fill(m3_rt *rt, void *out, int64_t n, const char *dtype, uint64_t seed_t, float sigma,
                   cudaStream_t stream, m3_err *e);
+
+/* `m3kit run --synthetic-cache`: append n tokens to each of the batch
+ * sequences seqs[] of kv without computing them, and fill every page of every
+ * layer's KV and index-K caches with random unit-scale values (normed K and V
+ * are unit-RMS) of the caches' dtypes.  A decode step's cost depends on the
+ * cache bytes it reads, not their values, so TPOT at a 1M-token context can
+ * be measured without the minutes its prefill takes.  Errors: those of
+ * m3_kv_append (M3_CAPACITY beyond the admitted length), M3_CUDA, M3_NOMEM. */
+m3_status m3_kv_fill_synthetic(m3_rt *rt, m3_kv_cache *kv, const int *seqs, int batch, int n, uint64_t seed,
+                               m3_err *e);
 
 #endif
