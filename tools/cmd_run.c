@@ -261,6 +261,31 @@ int cmd_run(int argc, char **argv) {
     for (int i = 0; i < plen; i++)
       prompts[(size_t)b * plen + i] = prompt1 ? prompt1[i] : (int32_t)(m3_rng_next(&r) % (uint64_t)V);
 
+  /* What fits beside these weights (issue "Performance" 8): one sequence,
+   * the caches of each dtype pair and this run's activation reserve. */
+  {
+    size_t fr = 0, tot = 0;
+    cudaMemGetInfo(&fr, &tot);
+    m3_fwd_opts f1 = m3_fwd_defaults();
+    f1.max_chunk = chunk;
+    printf("largest context that fits beside the weights (batch 1):");
+    for (int d = 0; d < 2; d++) {
+      m3_kv_opts k1 = {.kv_e4m3 = d, .idx_e4m3 = d, .max_seqs = 1, .max_ctx = 1, .host_only = 1};
+      m3_kv_plan pl = {0};
+      m3_err e1;
+      int64_t fit = 0;
+      if (m3_kv_plan_make(cfg, &k1, UINT64_MAX, &pl, &e1) == M3_OK && pl.bytes_per_token) {
+        uint64_t res = m3_forward_activation_bytes(cfg, &f1, cfg->max_position_embeddings) + (512ull << 20);
+        fit = fr > res ? (int64_t)((fr - res) / pl.bytes_per_token) : 0;
+        fit = fit / pl.page_size * pl.page_size;
+        if (fit > cfg->max_position_embeddings) fit = cfg->max_position_embeddings;
+      }
+      printf("%s %" PRId64 " tokens with %s caches (%" PRIu64 " B/token)", d ? ";" : "", fit, d ? "e4m3" : "bf16",
+             pl.bytes_per_token);
+    }
+    printf("%s\n", "");
+  }
+
   m3_fwd_opts fo = m3_fwd_defaults();
   fo.max_batch = batch;
   fo.max_chunk = chunk;
