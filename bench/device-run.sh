@@ -96,5 +96,8 @@ if has tpot && [ -f ./tpot_curve.sh ]; then
   log "tpot curve rc=$? at $(elapsed) s: $(tail -n 1 "$L/tpot.log")"
 fi
 cp "$OUT/summary.txt" "$L/" 2>/dev/null
-tar -C "$OUT" -czf "$OUT/device-run.tar.gz" logs && rm -rf "$L"
+# Everything in one archive (the device tool returns only a few files).
+tar -C "$OUT" -czf /tmp/device-run.tar.gz --exclude=./summary.txt . &&
+  find "$OUT" -mindepth 1 ! -name summary.txt -exec rm -rf {} + 2>/dev/null
+mv /tmp/device-run.tar.gz "$OUT/device-run.tar.gz"
 cat "$OUT/summary.txt"
