@@ -153,12 +153,21 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
      int n_tokens, i64 max_pos, float eps) {
   const int lane = threadIdx.x & 31;
   const i64 warp = (i64)blockIdx.x * WARPS + (threadIdx.x >> 5);
+  /* Two passes over the warp's HPW head slots: first every load is issued
+   * (metadata, then the 256-byte head vectors), then each is normed, rotated
+   * and stored.  One head vector per warp in flight leaves an SM far short of
+   * the bytes in flight that DRAM latency x its share of bandwidth needs; HPW
+   * of them (the tile) multiply it. */
+  f4 xin[HPW];
+  i64 tok[HPW], slt[HPW], psn[HPW];
+  int sl[HPW];
 #pragma unroll
   for (int h = 0; h < HPW; h++) {
     const i64 item = warp * HPW + h;
-    if (item >= (i64)n_tokens * SLOTS) return;
+    sl[h] = -1;
+    if (item >= (i64)n_tokens * SLOTS) continue;
     const i64 t = item / SLOTS;
-    int s = (int)(item - t * SLOTS);
+    const int s = (int)(item - t * SLOTS);
     /* Padding rows (slot < 0) and positions outside the RoPE table are skipped
      * before anything else is read for them (known-faults #5, #24). */
     i64 slot = -1;
@@ -168,18 +177,29 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
     }
     const i64 pos = positions[t];
     if (pos < 0 || pos >= max_pos) continue;
-    const bf16_t *cs = cos_sin + pos * ROT;
+    /* Slots enumerate q, k, (v with insert), iq, ik: the row's head order,
+     * less the v heads when they are not inserted. */
+    const int head = (INSERT || s < NQ + NKV) ? s : s + NKV;
+    xin[h] = load4(qkv + t * (i64)ROW + head * HD + lane * 4);
+    tok[h] = t, slt[h] = slot, psn[h] = pos, sl[h] = s;
+  }
+#pragma unroll
+  for (int h = 0; h < HPW; h++) {
+    int s = sl[h];
+    if (s < 0) continue;
+    const i64 t = tok[h], slot = slt[h];
+    const bf16_t *cs = cos_sin + psn[h] * ROT;
     bf16_t *row = qkv + t * (i64)ROW;
     const i64 page = slot / BS, off = slot % BS;
     if (s < NQ) {                                   /* Q head */
-      f4 x = norm_rope(load4(row + s * HD + lane * 4), q_w, cs, eps, lane);
+      f4 x = norm_rope(xin[h], q_w, cs, eps, lane);
       store4_bf16(q_out ? q_out + t * (i64)(NQ * HD) + s * HD + lane * 4 : row + s * HD + lane * 4, x);
       continue;
     }
     s -= NQ;
     if (s < NKV) {                                  /* K head */
       bf16_t *src = row + (NQ + s) * HD + lane * 4;
-      f4 x = norm_rope(load4(src), k_w, cs, eps, lane);
+      f4 x = norm_rope(xin[h], k_w, cs, eps, lane);
       store4_bf16(src, x);
       if (INSERT) {
         i64 at = ((page * NKV + s) * BS + off) * (2 * HD) + lane * 4;
@@ -190,7 +210,7 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
     }
     s -= NKV;
     if (INSERT && s < NKV) {                        /* V head: copied as is */
-      f4 x = load4(row + (NQ + NKV + s) * HD + lane * 4);
+      f4 x = xin[h];
       i64 at = ((page * NKV + s) * BS + off) * (2 * HD) + HD + lane * 4;
       if (KV_E4M3) store4_e4m3((e4m3_t *)kv_cache + at, x);
       else store4_bf16((bf16_t *)kv_cache + at, x);
@@ -200,7 +220,7 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
 #if SPARSE
     if (s < NIQ) {                                  /* index-Q head */
       bf16_t *src = row + (NQ + 2 * NKV + s) * HD + lane * 4;
-      f4 x = norm_rope(load4(src), iq_w, cs, eps, lane);
+      f4 x = norm_rope(xin[h], iq_w, cs, eps, lane);
       if (index_q_out) {
         i64 at = t * (i64)(NIQ * HD) + s * HD + lane * 4;
         if (IDX_E4M3) store4_e4m3((e4m3_t *)index_q_out + at, x);
@@ -212,7 +232,7 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
     }
     {                                               /* the single index-K head */
       bf16_t *src = row + (NQ + 2 * NKV + NIQ) * HD + lane * 4;
-      f4 x = norm_rope(load4(src), ik_w, cs, eps, lane);
+      f4 x = norm_rope(xin[h], ik_w, cs, eps, lane);
       store4_bf16(src, x);
       if (INSERT) {
         i64 islot = index_slot_mapping ? index_slot_mapping[t] : slot;
