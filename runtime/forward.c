@@ -20,7 +20,7 @@
 #include "runtime/ops.h"
 
 #define MAX_OPS 64        /* distinct op names in the timing table */
-#define MAX_MEMO 512      /* kernels resolved by (key, bucket) */
+#define MAX_MEMO 2048     /* kernels resolved by (key, bucket): decode_workspaces alone visits ~400 */
 #define MAX_GRAPHS 64     /* decode graphs (batch size x context bucket) */
 #define DECODE_ROWS 8     /* at most this many rows use the GEMV (decode) schedules */
 
@@ -129,7 +129,9 @@ static m3_status qkv_rope_insert(m3_forward *f, const step *st, int l, m3_err *e
   m3_variant v;
   m3_kernel *k;
   M3_TRY(m3_qknorm_key(&qa, &v, e));
-  M3_TRY(kern(f, &v, st->n, st->max_kv, &k, e));
+  /* Bucketed by tokens only: its cost does not depend on the context (the
+   * tuner's qknorm buckets have no ctx dimension either). */
+  M3_TRY(kern(f, &v, st->n, 0, &k, e));
   OP("qknorm_rope", m3_launch_qknorm_rope(k, &qa, f->P, L->q_norm, L->k_norm, L->iq_norm, L->ik_norm, f->m->rope,
                                           c->max_position_embeddings, f->d_pos, f->d_slot, f->d_slot, f->kv->kv[l],
                                           f->kv->ix[l], f->q, L->sparse ? f->iq : NULL, f->s, e));
@@ -564,35 +566,46 @@ static m3_status build_moe_tables(m3_forward *f, m3_err *e) {
   return M3_OK;
 }
 
-/* Workspaces of the decode attention and indexer kernels, sized for the
- * largest decode launch (max_batch tokens over the whole context). */
+/* Workspaces of the decode attention and indexer kernels.  The tile (hence
+ * the split count, hence the workspace) is chosen per (tokens, ctx) bucket
+ * from the tuning DB, so every bucket a decode launch can fall in is visited
+ * and the largest need of its kernel at that bucket's largest launch kept:
+ * no tuned tile can ask for more than was allocated. */
 static m3_status decode_workspaces(m3_forward *f, m3_err *e) {
   const m3_config *c = &f->m->cfg;
   const int sm = f->rt->dev.sm_count;
-  step st = {.n = f->o.max_batch, .decode = 1, .max_kv = f->kv->plan.pages_per_seq * f->kv->plan.page_size};
-  const m3_attn_args aa = attn_args(f, &st);
-  m3_variant v;
-  m3_kernel *k;
-  size_t ws = 0;
-  if (m3_config_n_sparse_layers(c) < c->num_hidden_layers) {
-    M3_TRY(m3_attn_dense_key(&aa, M3_ATTN_DECODE, &v, e));
-    M3_TRY(kern(f, &v, st.n, st.max_kv, &k, e));
-    size_t b = m3_attn_workspace_bytes(k, &aa, st.max_kv, sm);
-    if (b > ws) ws = b;
-  }
-  if (m3_config_n_sparse_layers(c) > 0) {
-    M3_TRY(m3_attn_sparse_key(&aa, M3_ATTN_DECODE, &v, e));
-    M3_TRY(kern(f, &v, st.n, st.max_kv, &k, e));
-    size_t b = m3_attn_workspace_bytes(k, &aa, st.max_kv, sm);
-    if (b > ws) ws = b;
-    const m3_idx_args ia = idx_args(f, &st);
-    M3_TRY(m3_index_decode_key(&ia, &v, e));
-    M3_TRY(kern(f, &v, st.n, st.max_kv, &k, e));
-    f->idx_ws_bytes = m3_index_decode_workspace_bytes(k, &ia, sm);
-    if (f->idx_ws_bytes) {
-      M3_TRY(dmalloc(&f->idx_ws, f->idx_ws_bytes, "indexer workspace", e));
-      M3_TRY(m3_index_workspace_init(f->idx_ws, f->idx_ws_bytes, f->s, e));
+  const int64_t max_kv = f->kv->plan.pages_per_seq * f->kv->plan.page_size;
+  const int dense = m3_config_n_sparse_layers(c) < c->num_hidden_layers, sparse = m3_config_n_sparse_layers(c) > 0;
+  size_t ws = 0, iws = 0;
+  for (int64_t bt = 1; bt / 2 < f->o.max_batch; bt *= 2)
+    for (int64_t bc = 1; bc / 2 < max_kv; bc *= 2) {
+      step st = {.n = (int)(bt < f->o.max_batch ? bt : f->o.max_batch), .decode = 1,
+                 .max_kv = bc < max_kv ? bc : max_kv};
+      const m3_attn_args aa = attn_args(f, &st);
+      m3_variant v;
+      m3_kernel *k;
+      if (dense) {
+        M3_TRY(m3_attn_dense_key(&aa, M3_ATTN_DECODE, &v, e));
+        M3_TRY(kern(f, &v, st.n, st.max_kv, &k, e));
+        size_t b = m3_attn_workspace_bytes(k, &aa, st.max_kv, sm);
+        if (b > ws) ws = b;
+      }
+      if (sparse) {
+        M3_TRY(m3_attn_sparse_key(&aa, M3_ATTN_DECODE, &v, e));
+        M3_TRY(kern(f, &v, st.n, st.max_kv, &k, e));
+        size_t b = m3_attn_workspace_bytes(k, &aa, st.max_kv, sm);
+        if (b > ws) ws = b;
+        const m3_idx_args ia = idx_args(f, &st);
+        M3_TRY(m3_index_decode_key(&ia, &v, e));
+        M3_TRY(kern(f, &v, st.n, st.max_kv, &k, e));
+        b = m3_index_decode_workspace_bytes(k, &ia, sm);
+        if (b > iws) iws = b;
+      }
     }
+  f->idx_ws_bytes = iws;
+  if (iws) {
+    M3_TRY(dmalloc(&f->idx_ws, iws, "indexer workspace", e));
+    M3_TRY(m3_index_workspace_init(f->idx_ws, iws, f->s, e));
   }
   f->attn_ws_bytes = ws;
   if (ws) {
