@@ -74,6 +74,8 @@ if has tune; then
     mkdir -p "$OUT/tuning-$run" && cp "$M3KIT_CACHE_DIR"/tuning/*.json "$OUT/tuning-$run/" 2>/dev/null
     ./m3kit tune --show > "$L/tune-show-$run.txt" 2>&1
   done
+  # The later steps run with the first (longer) tune's DB.
+  mkdir -p "$M3KIT_CACHE_DIR/tuning" && cp "$OUT"/tuning-1/*.json "$M3KIT_CACHE_DIR/tuning/" 2>/dev/null
 fi
 if has bench; then
   timeout "${T_BENCH:-240}" ./m3kit bench --out "$OUT/h200.md" > "$L/bench.log" 2>&1
