@@ -509,6 +509,8 @@ def main():
     d = Dims(cfg, a.resident_experts)
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
+    if cuda and dev.index is None:
+        dev = torch.device("cuda", 0)  # set_device and mem_get_info want an index
     if cuda and not torch.cuda.is_available():
         sys.exit("baseline_torch: no CUDA device (use --device cpu --tiny)")
     ctxs = [int(c) for c in (a.contexts or ("40,200,1000" if a.tiny else "8192,32768,131072")).split(",")]

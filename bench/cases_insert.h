@@ -11,7 +11,7 @@
  * KV bf16 and e4m3, tokens 1, 4, 16, 64, 256, 1024, 8192: the per-layer time
  * of qknorm_rope(insert=1) against qknorm_rope(insert=0) followed by
  * kv_insert, each timed as a CUDA graph over R rotating layer buffers (R =
- * 57, or fewer when R sets would not fit 4 GB: then still > 2x L2), which is
+ * 57, or fewer when R sets would not fit 1 GB: then still > 2x L2), which is
  * how the decode step runs.  Prints a markdown table and what the difference
  * is worth per decode step (3 dense layers of minimax-m3; and if all 60
  * layers' K/V inserts were unfused).  `copy_gbs` is the copy ceiling of this

@@ -206,6 +206,9 @@ run_m3() {  # context cache extra-args log -> rc (log holds the output)
   t=$(( $(left) - 10 ))
   [ "$t" -lt 30 ] && { echo "skipped: budget spent" > "$log"; return 124; }
   kv=; [ "$k" = e4m3 ] && kv="--kv-dtype e4m3 --index-dtype e4m3"
+  # prompt + generated tokens must fit max_position_embeddings (1M): the 1M
+  # point is the prompt that ends there.
+  [ $(( c + steps )) -gt 1048576 ] && c=$(( 1048576 - steps ))
   # shellcheck disable=SC2086
   echo "\$ $m3kit run --preset minimax-m3 --resident-experts 8 --max-new-tokens $steps --context $c $kv${weights:+ --weights $weights} $x $m3args" > "$log"
   # shellcheck disable=SC2086

@@ -90,7 +90,16 @@ static CUresult e_cuModuleUnload(CUmodule m) {
   return CUDA_SUCCESS;
 }
 
-typedef struct emu_func { m3emu_entry fn; char name[96]; int nargs; const size_t *sizes; } emu_func;
+/* max_dyn: the dynamic shared memory a launch may ask for (cuFuncSetAttribute
+ * MAX_DYNAMIC_SHARED_SIZE_BYTES; 0 = not set). */
+typedef struct emu_func { m3emu_entry fn; char name[96]; int nargs; const size_t *sizes; int max_dyn; } emu_func;
+
+/* The emulator cannot measure a kernel's static __shared__ bytes; it reports
+ * this nominal figure for every kernel and applies the GPU's rule with it
+ * (static + dynamic > 48 KiB needs the opt-in attribute), so a launcher that
+ * leaves static shared memory out of that rule fails here as on a GPU (the
+ * top-p sampler's 48 KiB of dynamic memory once did, on an H200 only). */
+#define EMU_STATIC_SMEM 1024
 int m3emu_capturing(void);
 void m3emu_capture_launch(CUfunction f, const unsigned g[3], const unsigned b[3], unsigned smem, void **args, int nargs,
                           const size_t *sizes);
@@ -101,7 +110,8 @@ static CUresult e_cuModuleGetFunction(CUfunction *f, CUmodule m, const char *nam
   snprintf(tramp, sizeof tramp, "%s__emu", name);
   void *p = dlsym(em->dl, tramp);
   if (!p) return CUDA_ERROR_NOT_FOUND;
-  emu_func *ef = malloc(sizeof *ef);
+  emu_func *ef = calloc(1, sizeof *ef);
+  if (!ef) return CUDA_ERROR_OUT_OF_MEMORY;
   ef->fn = (m3emu_entry)p;
   snprintf(ef->name, sizeof ef->name, "%s", name);
   snprintf(tramp, sizeof tramp, "%s__emu_nargs", name);
@@ -113,16 +123,22 @@ static CUresult e_cuModuleGetFunction(CUfunction *f, CUmodule m, const char *nam
   return CUDA_SUCCESS;
 }
 static CUresult e_cuFuncSetAttribute(CUfunction f, CUfunction_attribute a, int v) {
-  (void)f; (void)a;
-  return v <= 227 * 1024 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+  if (v + EMU_STATIC_SMEM > 227 * 1024) return CUDA_ERROR_INVALID_VALUE;
+  if (a == CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES) ((emu_func *)f)->max_dyn = v;
+  return CUDA_SUCCESS;
 }
-static CUresult e_cuFuncGetAttribute(int *v, CUfunction_attribute a, CUfunction f) { (void)a; (void)f; *v = 0; return CUDA_SUCCESS; }
+static CUresult e_cuFuncGetAttribute(int *v, CUfunction_attribute a, CUfunction f) {
+  (void)f;
+  *v = a == CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES ? EMU_STATIC_SMEM : 0;
+  return CUDA_SUCCESS;
+}
 
 static CUresult e_cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                  unsigned bz, unsigned smem, CUstream s, void **args, void **extra) {
   (void)s; (void)extra;
   if (smem > 227 * 1024) return CUDA_ERROR_INVALID_VALUE;
   emu_func *ef = (emu_func *)f;
+  if (smem + EMU_STATIC_SMEM > 48 * 1024 && (int)smem > ef->max_dyn) return CUDA_ERROR_INVALID_VALUE;
   if (m3emu_capturing()) {
     if (ef->nargs < 0 || !ef->sizes) return CUDA_ERROR_NOT_SUPPORTED;
     unsigned g[3] = {gx, gy, gz}, b[3] = {bx, by, bz};

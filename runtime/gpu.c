@@ -87,7 +87,13 @@ m3_status m3_module_load(const uint8_t *cubin, size_t size, const m3_cubin_meta 
     m3_cu_fail(e, r, "cuModuleGetFunction", __FILE__, __LINE__);
     return m3_err_prefix(e, "entry %s: ", meta->entry);
   }
-  if (meta->smem > 48 * 1024) {
+  /* Beyond 48 KiB per block, static plus dynamic, a launch needs the opt-in
+   * attribute (top-p sampling: 48 KiB dynamic + a few hundred bytes static). */
+  int static_smem = 0;
+  if (meta->smem > 0 &&
+      m3_drv.cuFuncGetAttribute(&static_smem, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, out->fn) != CUDA_SUCCESS)
+    static_smem = 0;
+  if (meta->smem > 0 && meta->smem + static_smem > 48 * 1024) {
     r = m3_drv.cuFuncSetAttribute(out->fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, meta->smem);
     if (r != CUDA_SUCCESS) {
       m3_drv.cuModuleUnload(out->mod);
