@@ -19,6 +19,7 @@
 
 #include <stdio.h>
 
+#include "runtime/harness.h"
 #include "runtime/kernels.h"
 
 typedef struct m3_tune_opts {
@@ -58,6 +59,13 @@ void m3_tune_result_free(m3_tune_result *r);
 
 struct m3_tune_op;
 struct m3_tune_candidate;
+/* Per-launch time of `launches` back-to-back launches of candidate k (input
+ * set = launch index, rotating) captured as one CUDA graph, `reps` replays:
+ * how a decode step runs it.  Used for short kernels by the tuner and by
+ * `m3kit bench`.  Errors: M3_CUDA (capture, replay), the adapter's launch. */
+m3_status m3_tune_graph_time(const struct m3_tune_op *op, void *st, const m3_kernel *k, cudaStream_t stream, int launches,
+                             int reps, m3_timing *t, m3_err *e);
+
 /* Time kernel k through adapter op on state st: `warmup` untimed launches,
  * then up to `reps` event-timed ones, each after an untimed prepare (restore
  * + rotation); stops early when 3x slower than best_so_far (> 0).  Fills

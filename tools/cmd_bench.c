@@ -31,17 +31,6 @@ static void help(void) {
 
 /* qk-norm + RoPE (+ insert): every variant of the preset at the tuner's
  * token buckets, default (or tuned) tile. */
-/* A tuner adapter's launch as a timed function (rep selects the input set). */
-typedef struct adapter_launch {
-  const m3_tune_op *op;
-  void *st;
-  const m3_kernel *k;
-} adapter_launch;
-static m3_status run_adapter(void *p, int rep, m3_err *e) {
-  adapter_launch *a = p;
-  return a->op->launch(a->st, a->k, rep, e);
-}
-
 static m3_status bench_qknorm(m3_rt *rt, const m3_bench_ctx *bc, FILE *out, m3_err *e) {
   const m3_tune_op *op = m3_tune_op_find("qknorm_rope");
   m3_config cfg;
@@ -68,8 +57,7 @@ static m3_status bench_qknorm(m3_rt *rt, const m3_bench_ctx *bc, FILE *out, m3_e
       m3_tune_candidate c = {0};
       if (!s) s = m3_tune_time_kernel(rt, op, st, k, 5, 50, 0, &c, e);
       m3_timing g = {0};
-      adapter_launch al = {op, st, k};
-      if (!s) s = m3_time_graph(run_adapter, &al, 57, 57, rt->stream, 20, &g, e);
+      if (!s) s = m3_tune_graph_time(op, st, k, rt->stream, 57, 20, &g, e);
       if (!s) {
         double bytes = op->work(st), gbs = bytes / (g.median_us * 1e-6) / 1e9;
         char key[M3_KEY_MAX], tile[128];
