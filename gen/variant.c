@@ -97,8 +97,10 @@ m3_status m3_variant_parse(const char *text, m3_variant *v, m3_err *e) {
     const char *a0 = p;
     while (*p && (isalnum((unsigned char)*p) || *p == '_')) p++;
     size_t al = (size_t)(p - a0);
-    if (al < 4 || al >= sizeof v->arch || strncmp(a0, "sm_", 3))
-      return m3_errf(e, M3_KEY, "key '%s': bad arch suffix at column %d (want @sm_XX)", text,
+    char a[sizeof v->arch];
+    snprintf(a, sizeof a, "%.*s", (int)(al < sizeof a ? al : sizeof a - 1), a0);
+    if (al >= sizeof v->arch || !m3_arch_valid(a))
+      return m3_errf(e, M3_KEY, "key '%s': bad arch suffix at column %d (want @sm_XX or @sm_XXa)", text,
                      (int)(a0 - text) + 1);
     memcpy(v->arch, a0, al);
   }
@@ -213,4 +215,14 @@ void m3_variant_symbol(const m3_variant *v, char *buf, size_t n) {
   tmp.arch[0] = 0; /* the symbol names the function, not the target */
   m3_variant_print(&tmp, k, sizeof k);
   snprintf(buf, n, "m3k_%s_%016llx", v->op, (unsigned long long)XXH3_64bits(k, strlen(k)));
+}
+
+int m3_arch_valid(const char *a) {
+  if (!a || strncmp(a, "sm_", 3)) return 0;
+  const char *p = a + 3;
+  int n = 0, digits = 0;
+  while (*p >= '0' && *p <= '9') n = n * 10 + (*p++ - '0'), digits++;
+  if (*p == 'a' || *p == 'f') p++;
+  (void)n; /* which archs a template supports is its valid()'s call */
+  return *p == 0 && digits >= 2 && digits <= 3;
 }

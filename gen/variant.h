@@ -46,6 +46,11 @@ typedef struct m3_variant {
  * Errors: M3_KEY with the offending column. */
 m3_status m3_variant_parse(const char *text, m3_variant *v, m3_err *e);
 
+/* 1 when a is spelled as an SM arch: "sm_XX", "sm_XXa" or "sm_XXf" (two or
+ * three digits); else 0.  Whether a template supports it is its valid()'s
+ * call (all need sm_80+). */
+int m3_arch_valid(const char *a);
+
 /* Print the key: full (axes + tile + arch), or only its semantic part.
  * Returns the length written (truncation is reported as M3_KEY by callers
  * that check len >= n). */

@@ -10,6 +10,15 @@ int cmd_tune(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_make_checkpoint(int argc, char **argv);
 
+#include <stdint.h>
+
+/* Strict option values: the whole text must be a number in [lo, hi]
+ * (integers: decimal; floats: finite).  On failure print
+ * "m3kit CMD: --OPT wants ..., got 'TEXT'" to stderr and return -1. */
+int cli_int(const char *cmd, const char *opt, const char *text, int64_t lo, int64_t hi, int64_t *out);
+int cli_u64(const char *cmd, const char *opt, const char *text, uint64_t *out);
+int cli_float(const char *cmd, const char *opt, const char *text, double lo, double hi, double *out);
+
 /* Print "m3kit: error: <M3_NAME>: <message>" and return the exit code for s. */
 int cli_fail(const char *cmd, m3_status s, const m3_err *e);
 

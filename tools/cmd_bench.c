@@ -128,6 +128,14 @@ int cmd_bench(int argc, char **argv) {
     else if (c == 'h') { help(); return 0; }
     else { help(); return 2; }
   }
+  for (const char *p = only; p && *p; p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL) {
+    size_t n = strcspn(p, ","), i = 0;
+    while (i < sizeof entries / sizeof *entries && (strlen(entries[i].name) != n || strncmp(entries[i].name, p, n))) i++;
+    if (i == sizeof entries / sizeof *entries) {
+      fprintf(stderr, "m3kit bench: --only: no family '%.*s' (qknorm_rope, insert, indexer, attention, ffn)\n", (int)n, p);
+      return 2;
+    }
+  }
   if (m3_gpu_count() == 0) {
     fprintf(stderr, "m3kit bench: no CUDA GPU on this machine: nothing was measured.\n");
     return 3;

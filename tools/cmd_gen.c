@@ -72,21 +72,58 @@ int cmd_gen(int argc, char **argv) {
       {"preset", required_argument, 0, 'p'},{"model", required_argument, 0, 'm'},
       {"jobs", required_argument, 0, 'j'},
       {"help", no_argument, 0, 'h'},        {0, 0, 0, 0}};
-  int action = 'l', every = 0, c, jobs_n = (int)sysconf(_SC_NPROCESSORS_ONLN);
+  int action = 'l', chosen = 0, every = 0, c, jobs_n = (int)sysconf(_SC_NPROCESSORS_ONLN);
   const char *key = NULL, *archs = "sm_90", *preset = "minimax-m3", *model = NULL;
   optind = 1;
   while ((c = getopt_long(argc, argv, "hj:", opts, NULL)) != -1) {
     switch (c) {
-      case 'l': case 'T': case 'a': action = c; break;
-      case 'e': case 'c': case 't': action = c; key = optarg; break;
+      case 'l': case 'T': case 'a': case 'e': case 'c': case 't':
+        if (chosen && action != c) {
+          fprintf(stderr, "m3kit gen: give one of --list, --templates, --emit, --compile, --tiles, --all\n");
+          return 2;
+        }
+        action = c, chosen = 1;
+        if (c == 'e' || c == 'c' || c == 't') key = optarg;
+        break;
       case 'E': every = 1; break;
       case 'A': archs = optarg; break;
       case 'p': preset = optarg; break;
       case 'm': model = optarg; break;
-      case 'j': jobs_n = atoi(optarg) > 0 ? atoi(optarg) : 1; break;
+      case 'j': {
+        int64_t v;
+        if (cli_int("gen", "jobs", optarg, 1, 256, &v)) return 2;
+        jobs_n = (int)v;
+        break;
+      }
       case 'h': help(); return 0;
       default: help(); return 2;
     }
+  }
+  if (optind < argc) {
+    fprintf(stderr, "m3kit gen: unexpected argument '%s' (--help)\n", argv[optind]);
+    return 2;
+  }
+  if (every && action != 'a') {
+    fprintf(stderr, "m3kit gen: --every-tile goes with --all\n");
+    return 2;
+  }
+  /* Every arch of the list is checked before any template runs. */
+  int n_archs = 0;
+  for (const char *ap = archs;; n_archs++) {
+    char a[16];
+    size_t l = strcspn(ap, ",");
+    snprintf(a, sizeof a, "%.*s", (int)(l < sizeof a ? l : sizeof a - 1), ap);
+    if (l >= sizeof a || !m3_arch_valid(a)) {
+      fprintf(stderr, "m3kit gen: bad SM arch '%.*s' in --arch (want sm_XX or sm_XXa, e.g. sm_90a)\n", (int)l, ap);
+      return 2;
+    }
+    if (!ap[l]) break;
+    ap += l + 1;
+  }
+  n_archs++;
+  if (n_archs > 1 && (action == 'e' || action == 'c' || action == 't')) {
+    fprintf(stderr, "m3kit gen: --emit, --compile and --tiles take one --arch (got %d); --all takes a list\n", n_archs);
+    return 2;
   }
   m3_err e = {0};
   m3_jit j;
@@ -229,8 +266,14 @@ int cmd_gen(int argc, char **argv) {
     if (rc) ;
     else if (action == 'l') printf("%d variants\n", total);
     else
+    {
       printf("%d kernels for %s: %d compiled, %d from the cubin cache, %d tiles rejected by valid(); %.1f s on %d threads\n",
              total, archs, compiled, hits, invalid, now_s() - t0, jobs_n);
+      if (total == 0 && invalid > 0) {
+        fprintf(stderr, "m3kit gen: no kernel of this model is valid for %s (see --tiles KEY for the reasons)\n", archs);
+        rc = 1;
+      }
+    }
   }
 out:
   m3_jit_close(&j);

@@ -2,6 +2,7 @@
  * deterministic checkpoint in the released layout (m3_ckpt_write), so every
  * loader path and `m3kit run --model DIR` can be exercised without the real
  * 444 GB download.  Needs no GPU. */
+#include <dirent.h>
 #include <getopt.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -47,16 +48,40 @@ int cmd_make_checkpoint(int argc, char **argv) {
       case 'p': preset = optarg; break;
       case 'c': config = optarg; break;
       case 'o': out = optarg; break;
-      case 'n': shards = atoi(optarg); break;
+      case 'n': {
+        int64_t v;
+        if (cli_int("make-checkpoint", "shards", optarg, 1, 100000, &v)) return 2;
+        shards = (int)v;
+        break;
+      }
       case 'q': mxfp8 = 1; break;
-      case 's': seed = strtoull(optarg, NULL, 0); break;
+      case 's': if (cli_u64("make-checkpoint", "seed", optarg, &seed)) return 2; break;
       case 'h': help(); return 0;
       default: help(); return 2;
     }
   }
-  if (!out || (!preset) == (!config)) {
-    fprintf(stderr, "m3kit make-checkpoint: give --out DIR and exactly one of --preset / --config\n");
+  if (!out || (!preset) == (!config) || optind < argc) {
+    fprintf(stderr, "m3kit make-checkpoint: give --out DIR and exactly one of --preset / --config%s%s\n",
+            optind < argc ? "; unexpected argument " : "", optind < argc ? argv[optind] : "");
     return 2;
+  }
+  /* Shards of an earlier checkpoint left beside a new index would be read as
+   * stray files (or, worse, as this one): refuse a directory that has any. */
+  DIR *d = opendir(out);
+  if (d) {
+    struct dirent *de;
+    const char *old = NULL;
+    while ((de = readdir(d)) && !old) {
+      size_t n = strlen(de->d_name);
+      if ((n > 12 && !strcmp(de->d_name + n - 12, ".safetensors")) || !strcmp(de->d_name, "model.safetensors.index.json"))
+        old = de->d_name;
+    }
+    if (old) {
+      fprintf(stderr, "m3kit make-checkpoint: %s already holds a checkpoint (%s): choose a new --out\n", out, old);
+      closedir(d);
+      return 2;
+    }
+    closedir(d);
   }
   m3_err e = {0};
   m3_config cfg;

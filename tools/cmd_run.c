@@ -100,7 +100,7 @@ static int parse_ids(const char *s, int32_t **ids, int *n) {
   while (*ids && *s) {
     char *end;
     long v = strtol(s, &end, 10);
-    if (end == s) return -1;
+    if (end == s || v < 0 || v > INT32_MAX) return -1;
     if (*n == cap) *ids = realloc(*ids, sizeof **ids * (size_t)(cap *= 2));
     if (!*ids) return -1;
     (*ids)[(*n)++] = (int32_t)v;
@@ -112,12 +112,18 @@ static int parse_ids(const char *s, int32_t **ids, int *n) {
 
 /* No GPU: render + compile every variant the model needs for `arch`. */
 static int compile_only(const char *preset, const char *model, const char *arch) {
-  printf("m3kit run: no CUDA GPU on this machine: no kernel was run.\n"
-         "Rendering and compiling every kernel variant the model needs for %s instead (cubin cache).\n", arch);
+  if (!m3_arch_valid(arch)) {
+    fprintf(stderr, "m3kit run: bad SM arch '%s' in --arch (want sm_XX or sm_XXa, e.g. sm_90)\n", arch);
+    return 2;
+  }
   m3_err e = {0};
   m3_dims d;
   m3_status s = m3_model_dims_for(preset, model, &d, &e);
   if (s != M3_OK) return cli_fail("run", s, &e);
+  printf("m3kit run: no CUDA GPU on this machine: no kernel was run.\n"
+         "Rendering and compiling every kernel variant the model needs for %s instead (cubin cache).\n%s", arch,
+         model ? "(Without a GPU only the checkpoint's config.json is read, not its weights.)\n" : "");
+  fflush(stdout);
   m3_jit j;
   if ((s = m3_jit_open(&j, &e)) != M3_OK) return cli_fail("run", s, &e);
   double t0 = now_s();
@@ -181,15 +187,17 @@ int cmd_run(int argc, char **argv) {
   int synth_cache = 0;
   uint64_t seed = 0;
   float temperature = 0.0f, top_p = 1.0f;
+  int64_t iv;
+  double fv;
   optind = 1;
   while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
     switch (c) {
       case 'm': model = optarg; break;
       case 'p': preset = optarg; break;
       case 'i': ids_text = optarg; break;
-      case 'c': context = strtoll(optarg, NULL, 10); break;
-      case 'n': max_new = atoi(optarg); break;
-      case 'b': batch = atoi(optarg); break;
+      case 'c': if (cli_int("run", "context", optarg, 1, 1 << 20, &iv)) return 2; context = iv; break;
+      case 'n': if (cli_int("run", "max-new-tokens", optarg, 1, 1 << 20, &iv)) return 2; max_new = (int)iv; break;
+      case 'b': if (cli_int("run", "batch", optarg, 1, 4096, &iv)) return 2; batch = (int)iv; break;
       case 'k': case 'x': {
         int v = !strcmp(optarg, "e4m3") ? 1 : !strcmp(optarg, "bf16") ? 0 : -1;
         if (v < 0) { fprintf(stderr, "m3kit run: --%s takes bf16 or e4m3\n", c == 'k' ? "kv-dtype" : "index-dtype"); return 2; }
@@ -200,12 +208,12 @@ int cmd_run(int argc, char **argv) {
         weights = !strcmp(optarg, "mxfp8") ? 1 : !strcmp(optarg, "bf16") ? 0 : -2;
         if (weights == -2) { fprintf(stderr, "m3kit run: --weights takes bf16 or mxfp8\n"); return 2; }
         break;
-      case 'r': resident = atoi(optarg); break;
+      case 'r': if (cli_int("run", "resident-experts", optarg, 1, 1 << 16, &iv)) return 2; resident = (int)iv; break;
       case 'd': dump = optarg; break;
-      case 's': seed = strtoull(optarg, NULL, 0); break;
-      case 'T': temperature = strtof(optarg, NULL); break;
-      case 'P': top_p = strtof(optarg, NULL); break;
-      case 'C': chunk = atoi(optarg); break;
+      case 's': if (cli_u64("run", "seed", optarg, &seed)) return 2; break;
+      case 'T': if (cli_float("run", "temperature", optarg, 0, 1e4, &fv)) return 2; temperature = (float)fv; break;
+      case 'P': if (cli_float("run", "top-p", optarg, 1e-6, 1, &fv)) return 2; top_p = (float)fv; break;
+      case 'C': if (cli_int("run", "chunk", optarg, 1, 1 << 20, &iv)) return 2; chunk = (int)iv; break;
       case 'G': graph = 0; break;
       case 't': timing = 1; break;
       case 'A': arch = optarg; break;
@@ -220,16 +228,21 @@ int cmd_run(int argc, char **argv) {
     fprintf(stderr, "m3kit run: --max-new-tokens, --batch, --context and --chunk must be >= 1\n");
     return 2;
   }
-  if (m3_gpu_count() == 0) return compile_only(preset, model, arch);
-
-  m3_err e = {0};
-  m3_status s;
+  /* Every option is checked before the no-GPU branch, so a typo is an error
+   * on every machine. */
   int32_t *prompt1 = NULL;
   int plen = (int)context;
   if (ids_text && parse_ids(ids_text, &prompt1, &plen) != 0) {
     fprintf(stderr, "m3kit run: --prompt-ids wants comma-separated integers, got '%s'\n", ids_text);
     return 2;
   }
+  if (m3_gpu_count() == 0) {
+    free(prompt1);
+    return compile_only(preset, model, arch);
+  }
+
+  m3_err e = {0};
+  m3_status s;
   m3_rt rt;
   if ((s = m3_rt_open(&rt, 0, &e)) != M3_OK) return cli_fail("run", s, &e);
   mem_watch mw = {0};

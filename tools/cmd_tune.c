@@ -1,8 +1,11 @@
 /* cmd_tune.c - `m3kit tune`: tune once per GPU, show the DB, plot it. */
 #include <getopt.h>
+#include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "m3config.h"
 #include "autotune/tune.h"
@@ -28,25 +31,62 @@ static void help(void) {
          "  --arch SM          arch for --show/--plot without a GPU (default: the GPU's, else sm_90)\n");
 }
 
+extern char **environ;
+
+/* Render <dir>/all.gp (every plot's script) with gnuplot: the configured one,
+ * else the first on PATH.  Without gnuplot the data and scripts stay. */
+static int run_gnuplot(const char *dir, int n) {
+  char script[4200];
+  snprintf(script, sizeof script, "%s/all.gp", dir);
+  const char *gp = M3_GNUPLOT[0] ? M3_GNUPLOT : "gnuplot";
+  char *argv[] = {(char *)gp, script, NULL};
+  pid_t pid;
+  int st = 0;
+  if (posix_spawnp(&pid, gp, NULL, NULL, argv, environ) != 0 || waitpid(pid, &st, 0) < 0) {
+    printf("wrote %d plot scripts and data under %s; gnuplot not found: run `gnuplot %s` for the PNGs\n", n, dir,
+           script);
+    return 0;
+  }
+  if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+    fprintf(stderr, "m3kit tune: %s %s failed (status %d): the .dat and .gp files are under %s\n", gp, script,
+            WIFEXITED(st) ? WEXITSTATUS(st) : -1, dir);
+    return 1;
+  }
+  printf("wrote %d PNG plot(s) under %s (gnuplot %s)\n", n, dir, script);
+  return 0;
+}
+
 static int show_or_plot(const char *arch, const char *plot_dir, const char *db_path) {
   m3_err e;
   char path[4200];
-  if (db_path) snprintf(path, sizeof path, "%s", db_path);
+  if (db_path) {
+    if (access(db_path, R_OK) != 0) {
+      fprintf(stderr, "m3kit tune: --db %s: cannot read it\n", db_path);
+      return 1;
+    }
+    snprintf(path, sizeof path, "%s", db_path);
+  }
   else if (m3_tunedb_path(arch, path, sizeof path, &e) != M3_OK) return cli_fail("tune", e.code, &e);
   m3_tunedb *db = m3_tunedb_new();
   m3_tunedb_report rep;
   memset(&rep, 0, sizeof rep);
   m3_status s = m3_tunedb_load(db, path, NULL, NULL, &rep, &e);
-  if (s != M3_OK && s != M3_NOTFOUND) {
+  if (s != M3_OK && (s != M3_NOTFOUND || db_path)) { /* a DB named by --db must exist */
     m3_tunedb_free(db);
     return cli_fail("tune", s, &e);
   }
   printf("tuning DB %s: %zu records\n", path, m3_tunedb_count(db));
+  if (rep.summary[0]) printf("  %s\n", rep.summary); /* what the load skipped or ignored, and why */
   int rc = 0;
   if (plot_dir) {
     int n = 0;
-    if ((s = m3_mkdirs(plot_dir, &e)) || (s = m3_tunedb_write_plot_data(db, plot_dir, NULL, &n, &e))) rc = cli_fail("tune", s, &e);
-    else printf("wrote %d plot(s) under %s%s\n", n, plot_dir, M3_GNUPLOT[0] ? "" : " (gnuplot not found: data and scripts only)");
+    if ((s = m3_mkdirs(plot_dir, &e)) || (s = m3_tunedb_write_plot_data(db, plot_dir, NULL, &n, &e))) {
+      rc = cli_fail("tune", s, &e);
+    } else if (n > 0) {
+      rc = run_gnuplot(plot_dir, n);
+    } else {
+      printf("no records: nothing to plot\n");
+    }
   } else {
     m3_tunedb_print(db, stdout);
   }
@@ -78,7 +118,12 @@ int cmd_tune(int argc, char **argv) {
       case 'o': o.only = optarg; break;
       case 's': o.shapes = optarg; break;
       case 'b': o.budget_s = atof(optarg); break;
-      case 'r': o.reps = atoi(optarg); break;
+      case 'r': {
+        int64_t v;
+        if (cli_int("tune", "reps", optarg, 20, 100000, &v)) return 2;
+        o.reps = (int)v;
+        break;
+      }
       case 'd': o.db_path = optarg; break;
       case 'S': show = 1; break;
       case 'P': plot = optarg; break;

@@ -4,6 +4,10 @@
 #include <string.h>
 
 #include "include/m3kit.h"
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
 #include "tools/cli.h"
 
 typedef struct {
@@ -60,4 +64,41 @@ int main(int argc, char **argv) {
   fprintf(stderr, "m3kit: unknown command '%s'\n\n", argv[1]);
   usage(stderr);
   return 2;
+}
+
+int cli_int(const char *cmd, const char *opt, const char *text, int64_t lo, int64_t hi, int64_t *out) {
+  char *end;
+  errno = 0;
+  long long v = strtoll(text, &end, 10);
+  if (!*text || *end || errno == ERANGE || v < lo || v > hi) {
+    fprintf(stderr, "m3kit %s: --%s wants an integer in [%" PRId64 ", %" PRId64 "], got '%s'\n", cmd, opt, lo, hi,
+            text);
+    return -1;
+  }
+  *out = v;
+  return 0;
+}
+
+int cli_u64(const char *cmd, const char *opt, const char *text, uint64_t *out) {
+  char *end;
+  errno = 0;
+  unsigned long long v = strtoull(text, &end, 0);
+  if (!*text || *end || errno == ERANGE || text[0] == '-') {
+    fprintf(stderr, "m3kit %s: --%s wants a non-negative integer (decimal or 0x hex), got '%s'\n", cmd, opt, text);
+    return -1;
+  }
+  *out = v;
+  return 0;
+}
+
+int cli_float(const char *cmd, const char *opt, const char *text, double lo, double hi, double *out) {
+  char *end;
+  errno = 0;
+  double v = strtod(text, &end);
+  if (!*text || *end || errno == ERANGE || !isfinite(v) || v < lo || v > hi) {
+    fprintf(stderr, "m3kit %s: --%s wants a number in [%g, %g], got '%s'\n", cmd, opt, lo, hi, text);
+    return -1;
+  }
+  *out = v;
+  return 0;
 }
