@@ -361,6 +361,20 @@ static m3_status parse_text(const parse_ctx *p, const json_t *t, m3_config *c) {
     return field_err(p, S, "sparse_topk_blocks", M3_CONFIG,
                      "%d is smaller than sparse_init_block %d + sparse_local_block %d",
                      c->sparse_topk_blocks, c->sparse_init_block, c->sparse_local_block);
+  /* What the kernels can do, said here with the field's name rather than by
+   * a template's valid() naming a variant key (templates/index_*.lua,
+   * attn_*.lua, mxfp8.lua). */
+  if (c->sparse_block_size % 16 != 0)
+    return field_err(p, S, "sparse_block_size", M3_CONFIG,
+                     "%d is not supported (pages are cut into 16-token mma tiles: a multiple of 16)",
+                     c->sparse_block_size);
+  if (c->sparse_topk_blocks > 32)
+    return field_err(p, S, "sparse_topk_blocks", M3_CONFIG,
+                     "%d is not supported (the top-k kernels keep at most 32 blocks)", c->sparse_topk_blocks);
+  if (c->hidden_size % 32 != 0)
+    return field_err(p, "", "hidden_size", M3_CONFIG,
+                     "%d is not supported (a multiple of 32: MXFP8 scales cover 32 inputs, spec §8)",
+                     c->hidden_size);
   return M3_OK;
 }
 
