@@ -113,8 +113,20 @@ cudaError_t cudaStreamIsCapturing(cudaStream_t s, enum cudaStreamCaptureStatus *
 }
 cudaError_t cudaGraphInstantiate(cudaGraphExec_t *x, cudaGraph_t g, unsigned long long f) {
   (void)f;
+  /* The executable owns a copy of the operation list: CUDA lets the graph be
+   * destroyed right after instantiation (runtime/harness.c m3_time_graph
+   * does), and the exec must survive it.  The recorded argument copies are
+   * shared and, like the graphs' own, never freed (emulator, tests only). */
+  const struct CUgraph_st *src = (const struct CUgraph_st *)g;
   struct CUgraphExec_st *e = calloc(1, sizeof *e);
-  e->g = (struct CUgraph_st *)g;
+  struct CUgraph_st *c = calloc(1, sizeof *c);
+  if (!e || !c || (src->n && !(c->ops = malloc(sizeof(op) * (size_t)src->n)))) {
+    free(e), free(c);
+    return ret(cudaErrorMemoryAllocation);
+  }
+  if (src->n) memcpy(c->ops, src->ops, sizeof(op) * (size_t)src->n);
+  c->n = c->cap = src->n;
+  e->g = c;
   *x = (cudaGraphExec_t)e;
   return cudaSuccess;
 }
@@ -130,7 +142,11 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t x, cudaStream_t s) {
   }
   return cudaSuccess;
 }
-cudaError_t cudaGraphExecDestroy(cudaGraphExec_t x) { free(x); return cudaSuccess; }
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t x) {
+  struct CUgraphExec_st *e = (struct CUgraphExec_st *)x;
+  if (e) free(e->g->ops), free(e->g), free(e);
+  return cudaSuccess;
+}
 cudaError_t cudaGraphDestroy(cudaGraph_t g) {
   struct CUgraph_st *gg = (struct CUgraph_st *)g;
   if (gg) free(gg->ops), free(gg);
