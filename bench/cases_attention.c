@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "runtime/bench.h"
 #include "runtime/check.h"
 #include "runtime/harness.h"
 #include "runtime/op_attention.h"
@@ -110,6 +111,9 @@ static m3_status run_case(bench_ctx *bc, bcase *c, int warmup, int reps, m3_timi
 /* Sparse decode: `batch` sequences of ctx tokens, one query each at its last
  * position; rotation r selects the local block plus blocks [15r, 15r+15). */
 static m3_status sparse_decode(bench_ctx *bc, FILE *out, int kv8, int batch, int ctx, m3_err *e) {
+  char nm[96];
+  snprintf(nm, sizeof nm, "sparse decode %s batch %d (16 x 128 x 4)", kv8 ? "e4m3" : "bf16", batch);
+  if (!m3_bench_case_wanted(nm)) return M3_OK;
   const int64_t nb = ctx / BS, page_bytes = (int64_t)NKV * BS * 2 * HD * (kv8 ? 1 : 2);
   const int64_t set_bytes = (int64_t)batch * NKV * TOPK * BS * 2 * HD * (kv8 ? 1 : 2);
   int R = (int)((ROTATE_BYTES + set_bytes - 1) / set_bytes);
@@ -162,6 +166,9 @@ static m3_status sparse_decode(bench_ctx *bc, FILE *out, int kv8, int batch, int
 /* Dense decode: one sequence of ctx tokens; rotation r maps the sequence to
  * its own page range (R sequences, token_seq = r). */
 static m3_status dense_decode(bench_ctx *bc, FILE *out, int kv8, int64_t ctx, m3_err *e) {
+  char nm[96];
+  snprintf(nm, sizeof nm, "dense decode %s ctx %lld", kv8 ? "e4m3" : "bf16", (long long)ctx);
+  if (!m3_bench_case_wanted(nm)) return M3_OK;
   const int64_t nb = (ctx + BS - 1) / BS, page_bytes = (int64_t)NKV * BS * 2 * HD * (kv8 ? 1 : 2);
   const int64_t set_bytes = ctx * NKV * 2 * HD * (kv8 ? 1 : 2), pool_pages = (int64_t)bc->pool_bytes / page_bytes;
   int R = (int)((ROTATE_BYTES + set_bytes - 1) / set_bytes);
@@ -205,6 +212,9 @@ static m3_status dense_decode(bench_ctx *bc, FILE *out, int kv8, int64_t ctx, m3
  * indexer-like (local block + 15 pseudo-random distinct others, or every
  * block while nb <= 16).  FLOPs count the keys actually attended. */
 static m3_status prefill(bench_ctx *bc, FILE *out, int sparse, int kv8, int n, m3_err *e) {
+  char nm[96];
+  snprintf(nm, sizeof nm, "%s prefill %s chunk %d", sparse ? "sparse" : "dense", kv8 ? "e4m3" : "bf16", n);
+  if (!m3_bench_case_wanted(nm)) return M3_OK;
   const int64_t nb = (n + BS - 1) / BS, page_bytes = (int64_t)NKV * BS * 2 * HD * (kv8 ? 1 : 2);
   if (nb * page_bytes > (int64_t)bc->pool_bytes)
     return m3_errf(e, M3_CAPACITY, "bench: prefill of %d tokens exceeds the KV pool", n);

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "runtime/bench.h"
 #include "runtime/check.h"
 #include "runtime/harness.h"
 #include "runtime/op_ffn.h"
@@ -99,6 +100,10 @@ static void report(FILE *out, const char *what, const m3_timing *t, double bytes
 
 static m3_status bench_moe(m3_rt *rt, FILE *out, int e4m3, m3_err *e) {
   const int64_t H = 6144, I = 3072;
+  const char *fmt = e4m3 ? "W8A16" : "W16A16";
+  char nm[2][64];
+  for (int d = 0; d < 2; d++) snprintf(nm[d], sizeof nm[d], "%s moe %s", fmt, d ? "down" : "gate|up");
+  if (!m3_bench_case_wanted(nm[0]) && !m3_bench_case_wanted(nm[1])) return M3_OK;
   const size_t es = e4m3 ? 1 : 2;
   const double per_expert = (double)(3 * I * H) * es * (e4m3 ? 33.0 / 32.0 : 1.0);
   size_t free_b = 0, total_b = 0;
@@ -119,6 +124,7 @@ static m3_status bench_moe(m3_rt *rt, FILE *out, int e4m3, m3_err *e) {
   /* memsets run on the legacy stream; the timed kernels on rt->stream */
   if (st == M3_OK && cudaDeviceSynchronize() != cudaSuccess) st = m3_errf(e, M3_CUDA, "bench moe setup");
   for (int d = 0; d < 2 && st == M3_OK; d++) {
+    if (!m3_bench_case_wanted(nm[d])) continue;
     moe_case c = {.p = &p, .down = d, .s = rt->stream};
     c.a = (m3_gemv_args){.n = 4, .rows = d ? H : 2 * I, .cols = d ? I : H,
                          .wfmt = e4m3 ? M3_GEMV_E4M3 : M3_GEMV_BF16, .moe = 1, .xdiv = d ? 1 : 4, .n_experts = n};
@@ -130,8 +136,8 @@ static m3_status bench_moe(m3_rt *rt, FILE *out, int e4m3, m3_err *e) {
     if (st == M3_OK) {
       char what[160], key[M3_KEY_MAX];
       m3_variant_print(&c.k->key, key, sizeof key);
-      snprintf(what, sizeof what, "%s moe %s, 4 experts %lldx%lld, %d rotating", e4m3 ? "W8A16" : "W16A16",
-               d ? "down" : "gate|up", (long long)c.a.rows, (long long)c.a.cols, n);
+      snprintf(what, sizeof what, "%s, 4 experts %lldx%lld, %d rotating", nm[d], (long long)c.a.rows,
+               (long long)c.a.cols, n);
       report(out, what, &t, 4.0 * (double)c.a.rows * c.a.cols * es * (e4m3 ? 33.0 / 32.0 : 1.0));
       fprintf(out, "     kernel %s\n", key);
     }
@@ -158,6 +164,10 @@ static m3_status dense_rep(void *arg, int rep, m3_err *e) {
 }
 
 static m3_status bench_dense(m3_rt *rt, FILE *out, int wfmt, int64_t rows, int64_t cols, int64_t n, m3_err *e) {
+  char nm[64];
+  snprintf(nm, sizeof nm, "%s gemv %lldx%lld, n=%lld", wfmt == M3_GEMV_E4M3 ? "W8A16" : "W16A16", (long long)rows,
+           (long long)cols, (long long)n);
+  if (!m3_bench_case_wanted(nm)) return M3_OK;
   const size_t es = wfmt == M3_GEMV_E4M3 ? 1 : 2, wb = (size_t)rows * cols * es;
   int copies = 1;
   while ((double)copies * wb < 4.0 * rt->dev.l2_bytes && copies < 64) copies++;
@@ -185,8 +195,7 @@ static m3_status bench_dense(m3_rt *rt, FILE *out, int wfmt, int64_t rows, int64
   if (st == M3_OK) st = m3_time_events(dense_rep, &c, rt->stream, 3, copies < 20 ? 20 : copies, &t, e);
   if (st == M3_OK) {
     char what[160];
-    snprintf(what, sizeof what, "%s gemv %lldx%lld, n=%lld, %d rotating", wfmt == M3_GEMV_E4M3 ? "W8A16" : "W16A16",
-             (long long)rows, (long long)cols, (long long)n, copies);
+    snprintf(what, sizeof what, "%s, %d rotating", nm, copies);
     report(out, what, &t, (double)wb * (wfmt == M3_GEMV_E4M3 ? 33.0 / 32.0 : 1.0));
   }
   for (int i = 0; i < copies; i++) {
@@ -215,6 +224,9 @@ static m3_status norm_rep(void *arg, int rep, m3_err *e) {
 
 static m3_status bench_norm(m3_rt *rt, FILE *out, int64_t rows, m3_err *e) {
   const int64_t H = 6144;
+  char nm[64];
+  snprintf(nm, sizeof nm, "add+rmsnorm+f32copy %lld x %lld", (long long)rows, (long long)H);
+  if (!m3_bench_case_wanted(nm)) return M3_OK;
   norm_case c = {.rows = rows, .s = rt->stream};
   m3_variant v;
   M3_TRY(m3_rmsnorm_key(1, 1, (int)H, &v, e));
@@ -231,9 +243,7 @@ static m3_status bench_norm(m3_rt *rt, FILE *out, int64_t rows, m3_err *e) {
   m3_timing t;
   if (st == M3_OK) st = m3_time_events(norm_rep, &c, rt->stream, 5, 50, &t, e);
   if (st == M3_OK) {
-    char what[160];
-    snprintf(what, sizeof what, "add+rmsnorm+f32copy %lld x %lld", (long long)rows, (long long)H);
-    report(out, what, &t, (double)b * 6); /* read x, res; write res, y; write y32 (2x) */
+    report(out, nm, &t, (double)b * 6); /* read x, res; write res, y; write y32 (2x) */
   }
   cudaFree(c.x); cudaFree(c.res); cudaFree(c.y); cudaFree(c.y32); cudaFree(c.w);
   return st;

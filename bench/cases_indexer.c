@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "runtime/bench.h"
 #include "runtime/harness.h"
 #include "runtime/op_indexer.h"
 
@@ -135,6 +136,9 @@ static m3_status pool_make(pool *pl, m3_err *e) {
 /* One case: n sequences of lengths lens[], one decode query each. */
 static m3_status run_case(m3_rt *rt, pool *pl, FILE *out, const char *name, const int64_t *lens, int n, int e4m3,
                           m3_err *e) {
+  char full[96];
+  snprintf(full, sizeof full, "%s %s", name, e4m3 ? "e4m3" : "bf16");
+  if (!m3_bench_case_wanted(full)) return M3_OK;
   const size_t esz = e4m3 ? 1 : 2, page_bytes = (size_t)BS * HD * esz;
   int64_t max_nb = 1, pages = 0, tokens = 0;
   for (int i = 0; i < n; i++) {

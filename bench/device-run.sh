@@ -1,7 +1,7 @@
 #!/bin/sh
 # device-run.sh - everything one H200 session should measure, in one call:
 #   ./bench/pack-device.sh here, then on the device (carry [".dev"]):
-#   cd .dev && sh device-run.sh [tests] [sanitize] [tune] [tune2] [bench] [bench-insert] [run] [tpot] [all]
+#   cd .dev && sh device-run.sh [tests] [sanitize] [tune] [tune2] [bench] [bench-insert] [run] [ncu] [torch] [run1m] [tpot] [all]
 # Correctness work (tests, sanitizers) runs concurrently: it only needs
 # answers, and a device call is limited to 10 minutes.  Timed work (tune,
 # bench, run, tpot) runs alone, one after the other.  Every log is packed
@@ -92,6 +92,28 @@ if has run; then
     (time timeout "${T_RUN:-150}" ./m3kit run --preset minimax-m3 --context 131072 --max-new-tokens 32) > "$L/run-m3-128k.log" 2>&1
     log "run minimax-m3 128K rc=$? $(grep -E '^(TTFT|TPOT|peak)' "$L/run-m3-128k.log" | tr '\n' ' ')"
   fi
+fi
+if has ncu && command -v ncu > /dev/null; then
+  # One Nsight Compute report per case (M3KIT_BENCH_CASE narrows the bench to
+  # it): NCU_CASES is "family;case;kernel-regex" entries separated by '@'.
+  ncu_cases=${NCU_CASES:-"indexer;batch 1, 131072 bf16;index_decode@indexer;batch 1, 8192 bf16;index_decode@ffn;W8A16 moe gate|up;mxfp8@ffn;W8A16 moe down;mxfp8@attention;sparse decode bf16 batch 1;attn_sparse"}
+  i=0
+  echo "$ncu_cases" | tr '@' '\n' > /tmp/ncu-cases
+  while IFS=';' read -r fam case kre; do
+    i=$((i + 1))
+    M3KIT_BENCH_CASE="$case" timeout "${T_NCU:-90}" ncu --set full -k "regex:$kre" --launch-skip "${NCU_SKIP:-8}" \
+      --launch-count 1 --page details ./m3kit bench --only "$fam" --out /dev/null > "$L/ncu-$i.log" 2>&1
+    log "ncu $i ($fam: $case) rc=$? $(grep -E 'Duration|DRAM Throughput|Registers Per' "$L/ncu-$i.log" | tr -s ' ' | tr '\n' ' ')"
+  done < /tmp/ncu-cases
+fi
+if has torch && [ -f ./baseline_torch.py ]; then
+  timeout "${T_TORCH:-120}" python3 ./baseline_torch.py ${TORCH_ARGS:-} > "$L/torch.log" 2>&1
+  log "torch baseline rc=$? $(tail -n 3 "$L/torch.log" | tr '\n' ' ')"
+fi
+if has run1m; then
+  (time timeout "${T_RUN:-150}" ./m3kit run --preset minimax-m3 --context 1048544 --kv-dtype e4m3 --index-dtype e4m3 \
+    --synthetic-cache --max-new-tokens 32) > "$L/run-m3-1m.log" 2>&1
+  log "run minimax-m3 1M e4m3 rc=$? $(grep -E '^(TTFT|TPOT|peak)' "$L/run-m3-1m.log" | tr '\n' ' ')"
 fi
 if has tpot && [ -f ./tpot_curve.sh ]; then
   # Synthetic caches: the decode step reads the bytes of a long context

@@ -20,6 +20,10 @@ typedef struct m3_bench_ctx {
 typedef m3_status (*m3_bench_fn)(m3_rt *rt, const m3_bench_ctx *bc, FILE *out, m3_err *e);
 typedef struct m3_bench_entry { const char *name; m3_bench_fn fn; } m3_bench_entry;
 
+/* 1 when the case named `name` should run: M3KIT_BENCH_CASE unset or empty,
+ * or a substring of `name` (so a profiler such as ncu sees one case only). */
+int m3_bench_case_wanted(const char *name);
+
 /* cuBLAS bf16 GEMM 8192^3 TFLOP/s (runtime/gemm.c when present). */
 m3_status m3_bench_gemm_ceiling(m3_rt *rt, double *tflops, m3_err *e);
 

@@ -29,8 +29,9 @@
 -- and ranked, and the split's sorted top-k (64-bit keys, lib/indexer.lua)
 -- goes to a small workspace.  The last CTA of the token to finish (atomic
 -- counter, fences) merges: the k-th largest of 32 lane-wise maxima of the
--- splits' heads is a threshold no top-k member can be below, the few
--- candidates at or above it are ranked exactly in shared memory (an exact
+-- splits' heads is a threshold no top-k member can be below, the splits whose
+-- head reaches it are listed by ballot and all their lists fetched at once,
+-- the few candidates at or above it are ranked exactly in shared memory (an exact
 -- slow fallback covers the degenerate case of too many), and the counter is
 -- reset, so the workspace needs zeroing once only.  With one split the CTA
 -- writes the answer directly.  Latency outside the stream: three dependent
@@ -97,6 +98,8 @@ local body = [[
 #define MAXB 64                  /* most blocks per split (the launcher clamps bpc) */
 #define CAP 256                  /* merge survivors per head held in shared memory */
 #define RH 16                    /* split heads per lane kept in registers by the merge (512 splits) */
+#define SVCAP 256                /* surviving splits per head listed in shared memory by the merge */
+#define MG 16                    /* survivor keys per lane in flight in the merge */
 #define GPB (BS / 16)            /* 16-token groups per block */
 #if E4M3
 #define ROWB HD                  /* bytes per index-K row */
@@ -233,6 +236,7 @@ $sym(const unsigned char *__restrict__ iq,     /* [n_tokens, H, HD] bf16 | e4m3,
   __shared__ u64 s_lk[NW][32];
   __shared__ int s_out[NW][32];
   __shared__ int s_cnt[NW];
+  __shared__ int s_sv[NW][SVCAP];
   __shared__ int s_slow[NW][MAXB + 2]; /* portions to recompute exactly: bl << 16 | first group << 8 | end group */
   __shared__ int s_last;
 
@@ -423,26 +427,48 @@ $sym(const unsigned char *__restrict__ iq,     /* [n_tokens, H, HD] bf16 | e4m3,
       mx = x > mx ? x : mx;
     }
     const u64 thr = warp_kth_largest(mx, TOPK);
-    if (lane == 0) s_cnt[w] = 0;
+    /* The splits whose best key reaches the threshold, compacted into shared
+     * memory by ballot, so that all their lists are then fetched in one
+     * round trip (a conditional fetch per register would be RH dependent
+     * round trips: ncu on the H200 found the SMs idle for 73% of a 128K launch,
+     * waiting on that serial merge). */
+    int nsv = 0;
+    const unsigned lt = (1u << lane) - 1u;
+#pragma unroll
+    for (int r = 0; r < RH; r++) {
+      const int p = hr[r] != 0ull && hr[r] >= thr;
+      const unsigned m = __ballot_sync(FULL, p);
+      const int at = nsv + __popc(m & lt);
+      if (p && at < SVCAP) s_sv[w][at] = lane + 32 * r;
+      nsv += __popc(m);
+    }
+    for (int b2 = 32 * RH; b2 < n_splits; b2 += 32) {
+      const int s2 = b2 + lane;
+      const u64 x = s2 < n_splits ? ldcg64(hp + s2) : 0ull;
+      const int p = x != 0ull && x >= thr;
+      const unsigned m = __ballot_sync(FULL, p);
+      const int at = nsv + __popc(m & lt);
+      if (p && at < SVCAP) s_sv[w][at] = s2;
+      nsv += __popc(m);
+    }
+    if (lane == 0) s_cnt[w] = nsv > SVCAP ? CAP + 1 : 0; /* too many survivors: the exact path below */
     __syncwarp();
-    auto take = [&](int s2) {
-      const u64 *lp = lp0 + (i64)s2 * H * TOPK;
-      u64 x[TOPK];
+    if (nsv <= SVCAP) {
+      const int nk = nsv * TOPK;
+      for (int b2 = 0; b2 < nk; b2 += 32 * MG) {
+        u64 x[MG];
 #pragma unroll
-      for (int e = 0; e < TOPK; e++) x[e] = ldcg64(lp + e);
-#pragma unroll
-      for (int e = 0; e < TOPK; e++)
-        if (x[e] != 0ull && x[e] >= thr) {
-          const int at = atomicAdd(&s_cnt[w], 1);
-          if (at < CAP) s_keys[w][at] = x[e];
+        for (int j = 0; j < MG; j++) {
+          const int i = b2 + 32 * j + lane;
+          x[j] = i < nk ? ldcg64(lp0 + (i64)s_sv[w][i / TOPK] * H * TOPK + i % TOPK) : 0ull;
         }
-    };
 #pragma unroll
-    for (int r = 0; r < RH; r++)
-      if (hr[r] != 0ull && hr[r] >= thr) take(lane + 32 * r);
-    for (int s2 = lane + 32 * RH; s2 < n_splits; s2 += 32) {
-      const u64 x = ldcg64(hp + s2);
-      if (x != 0ull && x >= thr) take(s2);
+        for (int j = 0; j < MG; j++)
+          if (x[j] != 0ull && x[j] >= thr) {
+            const int at = atomicAdd(&s_cnt[w], 1);
+            if (at < CAP) s_keys[w][at] = x[j];
+          }
+      }
     }
     __syncwarp();
     const int n = s_cnt[w];
