@@ -9,7 +9,8 @@
 # the one-line results are also in $OUT/summary.txt.
 # Time limits (seconds): T_TEST (each test and sanitizer run, default 280),
 # T_TUNE (480; T_TUNE2 for the second tune), T_BENCH (240), T_RUN (150), T_TPOT (300).  TESTS and SANITIZE
-# narrow the test programs (default: every ./check_*_gpu; the five kernel ones).
+# narrow the test programs (default: every ./check_*_gpu; the five kernel ones); a SANITIZE entry
+# PROGRAM:CASE sanitizes one test case (CK_RUN_CASE) of it; SAN_TOOLS narrows the tools.
 set -u
 OUT=${OUT:-/tmp/out}
 L=$OUT/logs
@@ -34,9 +35,11 @@ pids=""
 if has tests; then
   for t in ${TESTS:-./check_*_gpu}; do
     [ -x "$t" ] || continue
-    # The FFN side's nine kernel families run as nine processes (CK_RUN_CASE).
+    # The FFN side's nine kernel families and the indexer's test cases run as
+    # separate processes (CK_RUN_CASE); FFN_CASES / INDEXER_CASES narrow them.
     cases=-
-    [ "$t" = ./check_ffn_gpu ] && cases="norm embed route swiglu combine mxfp8 gemv moe sample"
+    [ "$t" = ./check_ffn_gpu ] && cases=${FFN_CASES:-"norm embed route swiglu combine mxfp8 gemv moe sample"}
+    [ "$t" = ./check_indexer_gpu ] && cases=${INDEXER_CASES:-"decode_mixed decode_spec decode_splits decode_ties decode_nonfinite decode_1m decode_2gib decode_tiles prefill faults"}
     for c in $cases; do
       n=$(basename "$t"); [ "$c" = - ] || n=$n-$c
       ( s=$(date +%s)
@@ -49,11 +52,12 @@ if has tests; then
 fi
 if has sanitize; then
   # M3KIT_SMALL=1: the tests' reduced shapes (tests/gpu_main.h).
-  for t in ${SANITIZE:-./check_qknorm_gpu ./check_indexer_gpu ./check_attention_gpu ./check_ffn_gpu ./check_forward_gpu}; do
+  for ent in ${SANITIZE:-./check_qknorm_gpu ./check_indexer_gpu ./check_attention_gpu ./check_ffn_gpu ./check_forward_gpu}; do
+    t=${ent%%:*} cs=; [ "$t" != "$ent" ] && cs=${ent#*:}   # PROGRAM[:CASE]: one CK_RUN_CASE of it
     [ -x "$t" ] || continue
-    for tool in memcheck racecheck initcheck synccheck; do
-      n=sanitize-$tool-$(basename "$t")
-      ( M3KIT_SMALL=1 timeout "${T_TEST:-280}" compute-sanitizer --tool $tool --error-exitcode 9 "$t" > "$L/$n.log" 2>&1
+    for tool in ${SAN_TOOLS:-memcheck racecheck initcheck synccheck}; do
+      n=sanitize-$tool-$(basename "$t")${cs:+-$cs}
+      ( env M3KIT_SMALL=1 ${cs:+CK_RUN_CASE=$cs} timeout "${T_TEST:-280}" compute-sanitizer --tool $tool --error-exitcode 9 "$t" > "$L/$n.log" 2>&1
         rc=$?
         log "$n rc=$rc $(grep -E 'ERROR SUMMARY' "$L/$n.log" | tail -n 1) $(grep -E '^[0-9]+%: Checks' "$L/$n.log" | tail -n 1)" ) &
       pids="$pids $!"
@@ -78,7 +82,7 @@ if has tune; then
   mkdir -p "$M3KIT_CACHE_DIR/tuning" && cp "$OUT"/tuning-1/*.json "$M3KIT_CACHE_DIR/tuning/" 2>/dev/null
 fi
 if has bench; then
-  timeout "${T_BENCH:-240}" ./m3kit bench --out "$OUT/h200.md" > "$L/bench.log" 2>&1
+  timeout "${T_BENCH:-240}" ./m3kit bench ${BENCH_ONLY:+--only $BENCH_ONLY} --out "$OUT/h200.md" > "$L/bench.log" 2>&1
   log "bench rc=$? at $(elapsed) s"
 fi
 if has bench-insert; then
@@ -118,7 +122,7 @@ fi
 if has tpot && [ -f ./tpot_curve.sh ]; then
   # Synthetic caches: the decode step reads the bytes of a long context
   # without the minutes its prefill would take (m3kit run --help).
-  sh ./tpot_curve.sh --budget "${T_TPOT:-300}" ${T_TORCH:+--torch-budget $T_TORCH} --m3kit ./m3kit --out "$OUT/tpot" --timing \
+  sh ./tpot_curve.sh --budget "${T_TPOT:-300}" ${T_TORCH:+--torch-budget $T_TORCH} --m3kit ./m3kit --out "$OUT/tpot" --breakdown \
     --m3kit-args "--synthetic-cache" > "$L/tpot.log" 2>&1
   log "tpot curve rc=$? at $(elapsed) s: $(tail -n 1 "$L/tpot.log")"
 fi

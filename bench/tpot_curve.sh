@@ -10,7 +10,9 @@
 #                        and every run is cut (timeout) at what is left
 #     --contexts LIST    default 8192,32768,131072,393216,769000,1048576 (8K .. 1M)
 #     --steps N          --max-new-tokens of m3kit and timed steps of the baseline (default 32)
-#     --timing           also a `m3kit run --timing` per context: per-kernel breakdown (no graph)
+#     --breakdown        `m3kit run --graph-breakdown` per context: each op's launches replayed as a
+#                        graph of their own after the timed steps; the .dat keeps their sum
+#                        (--timing: the same, the old name)
 #     --weights W        bf16|mxfp8, passed to m3kit (default: m3kit's own, MXFP8 for minimax-m3)
 #     --cache C          auto|bf16|e4m3 (default auto: bf16 KV + index-K caches where they fit,
 #                        else e4m3 for both; a bf16 run that m3kit refuses for capacity is rerun e4m3)
@@ -43,7 +45,7 @@ while [ $# -gt 0 ]; do
     --budget) budget=$2; shift ;;
     --contexts) contexts=$2; shift ;;
     --steps) steps=$2; shift ;;
-    --timing) timing=1 ;;
+    --timing|--breakdown) timing=1 ;;
     --weights) weights=$2; shift ;;
     --cache) cache=$2; shift ;;
     --no-torch) torch=0 ;;
@@ -114,7 +116,7 @@ render() {
     echo "or bf16 = 2 B per weight, fp32 routers, bf16 lm_head; + dense-layer KV of the whole history + 16 selected"
     echo "blocks x 4 KV heads per sparse layer + the index-K scan; formula in bench/tpot_curve.sh). Target: TPOT <= 1.15 x roofline."
     echo
-    echo "| context | caches | m3kit TPOT ms | roofline ms | m3kit / roofline | torch TPOT ms | torch caches | torch roofline ms (bf16 w) | torch / m3kit | kernel sum ms/step (--timing) | peak GPU GB |"
+    echo "| context | caches | m3kit TPOT ms | roofline ms | m3kit / roofline | torch TPOT ms | torch caches | torch roofline ms (bf16 w) | torch / m3kit | sum of per-op graphs ms/step (--graph-breakdown) | peak GPU GB |"
     echo "|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"
     sort -n "$dat" | awk '$1 !~ /^#/ {
       r = ($3 != "-" && $4 != "-") ? sprintf("%.2f", $3/$4) : "-"
@@ -151,7 +153,7 @@ if [ "$plot_only" = 1 ]; then
 fi
 
 [ "$append" = 1 ] || : > "$out/tpot-logs/args"
-printf '%s\n' "--budget $budget --contexts $contexts --steps $steps$( [ $timing = 1 ] && echo ' --timing')${weights:+ --weights $weights} --cache $cache${m3args:+ --m3kit-args \"$m3args\"}" >> "$out/tpot-logs/args"
+printf '%s\n' "--budget $budget --contexts $contexts --steps $steps$( [ $timing = 1 ] && echo ' --breakdown')${weights:+ --weights $weights} --cache $cache${m3args:+ --m3kit-args \"$m3args\"}" >> "$out/tpot-logs/args"
 echo "$wfmt" > "$out/tpot-logs/wfmt"
 rm -f "$out/tpot-logs/fake"
 (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | grep . || echo "no GPU") > "$out/tpot-logs/gpu"
@@ -219,21 +221,21 @@ for c in $contexts_sp; do
   k=$(pick_cache "$c")
   log=$out/tpot-logs/m3kit-$c.log
   echo "== m3kit run --context $c ($k caches), $(left) s left"
-  run_m3 "$c" "$k" "" "$log"; rc=$?
+  bd=; [ "$timing" = 1 ] && bd=--graph-breakdown
+  run_m3 "$c" "$k" "$bd" "$log"; rc=$?
   if [ "$rc" != 0 ] && [ "$k" = bf16 ] && grep -q "tokens fit\|cannot allocate" "$log"; then
     echo "   bf16 caches do not fit: rerun with e4m3"; k=e4m3
     mv "$log" "$out/tpot-logs/m3kit-$c-bf16-refused.log"
-    run_m3 "$c" "$k" "" "$log"; rc=$?
+    run_m3 "$c" "$k" "$bd" "$log"; rc=$?
   fi
   tpot=$(sed -n 's/^TPOT \([0-9.]*\) ms.*/\1/p' "$log" | tail -n 1)
   peak=$(sed -n 's/^peak GPU memory in use \([0-9.]*\) GB.*/\1/p' "$log" | tail -n 1)
   echo "   rc=$rc TPOT ${tpot:--} ms, peak ${peak:--} GB ($log)"
   kern=-
-  if [ "$timing" = 1 ] && [ -n "$tpot" ]; then
-    tl=$out/tpot-logs/m3kit-$c-timing.log
-    run_m3 "$c" "$k" --timing "$tl"
-    kern=$(awk -v n=$(( steps - 1 )) '/^decode breakdown/ { d = 1 } d && $1 == "all" && $2 == "kernels" { printf "%.3f", $3/n }' "$tl")
-    echo "   --timing: kernels sum ${kern:--} ms/step, TPOT without graph $(sed -n 's/^TPOT \([0-9.]*\) ms.*/\1/p' "$tl" | grep . || echo -) ms ($tl)"
+  if [ "$timing" = 1 ]; then
+    kern=$(awk '$1 == "sum" && $2 == "of" && $3 == "ops" { printf "%.3f", $4 }' "$log")
+    whole=$(awk '$1 == "whole" && $2 == "step" { printf "%.3f", $3 }' "$log")
+    echo "   graph breakdown: ops sum ${kern:--} ms, whole-step replay ${whole:--} ms"
     [ -n "$kern" ] || kern=-
   fi
   b=$([ "$k" = bf16 ] && echo 2 || echo 1)

@@ -26,10 +26,22 @@
 
 typedef struct timing_op { char name[32]; int calls; double ms; } timing_op;
 typedef struct memo { char key[M3_KEY_MAX + 64]; m3_kernel *k; } memo;
-/* A captured decode step.  The graph is kept alive with its executable
- * (CUDA allows destroying it after instantiation, but the CPU emulator's
- * executable refers to it). */
-typedef struct graph { int n; int64_t bucket; cudaGraph_t g; cudaGraphExec_t exec; } graph;
+/* One forward step: n rows; decode or prefill schedules of attention and
+ * indexer (a decode step of any batch size uses the decode ones: the prefill
+ * indexer wants one sequence per warp of tokens); GEMVs or cuBLAS for the
+ * linear layers (GEMVs up to DECODE_ROWS rows, where they are bandwidth-bound
+ * and capturable); the paged batch. */
+typedef struct step {
+  int n;
+  int decode;
+  int gemv;
+  int64_t max_kv;               /* >= every positions[t] + 1 (decode: the context bucket) */
+  m3_seq_batch b;
+} step;
+/* A captured decode step and the step it was captured for.  The graph is kept
+ * alive with its executable (CUDA allows destroying it after instantiation,
+ * but the CPU emulator's executable refers to it). */
+typedef struct graph { int n; int64_t bucket; step st; cudaGraph_t g; cudaGraphExec_t exec; } graph;
 
 struct m3_forward {
   m3_rt *rt;
@@ -68,6 +80,10 @@ struct m3_forward {
   graph graphs[MAX_GRAPHS];
   int n_graphs;
   int capturing;
+  int last_graph;               /* the decode graph the last step replayed (-1: none) */
+  const char *only_op;          /* m3_forward_graph_breakdown: capture this op's launches only */
+  const char *seen_ops[MAX_OPS];/* op names in the order the step runs them (filled at capture) */
+  int n_seen;
   timing_op ops[MAX_OPS];
   int n_ops;
   cudaEvent_t *ev;              /* event pairs of the current step */
@@ -80,18 +96,6 @@ struct m3_forward {
   size_t hscan_bytes;
 };
 
-/* One forward step: n rows; decode or prefill schedules of attention and
- * indexer (a decode step of any batch size uses the decode ones: the prefill
- * indexer wants one sequence per warp of tokens); GEMVs or cuBLAS for the
- * linear layers (GEMVs up to DECODE_ROWS rows, where they are bandwidth-bound
- * and capturable); the paged batch. */
-typedef struct step {
-  int n;
-  int decode;
-  int gemv;
-  int64_t max_kv;               /* >= every positions[t] + 1 (decode: the context bucket) */
-  m3_seq_batch b;
-} step;
 
 /* ------------------------------------------------------------------------ */
 /* Plumbing declarations (defined at the end)                               */
@@ -100,15 +104,18 @@ typedef struct step {
 static m3_status kern(m3_forward *f, const m3_variant *v, int64_t tokens, int64_t ctx, m3_kernel **k, m3_err *e);
 static m3_status linear(m3_forward *f, const step *st, const void *x, const m3_dlinear *w, void *y, const char *what,
                         m3_err *e);
+static int op_wanted(m3_forward *f, const char *name);
 static m3_status op_begin(m3_forward *f, const char *name, m3_err *e);
 static m3_status op_end(m3_forward *f, m3_err *e);
 static m3_status check_out(m3_forward *f, int layer, const char *op, const void *p, int64_t n, int dtype, m3_err *e);
 enum { DT_BF16, DT_F32 };
 #define OP(name, call)                      \
   do {                                      \
-    M3_TRY(op_begin(f, name, e));           \
-    M3_TRY(call);                           \
-    M3_TRY(op_end(f, e));                   \
+    if (op_wanted(f, name)) {               \
+      M3_TRY(op_begin(f, name, e));         \
+      M3_TRY(call);                         \
+      M3_TRY(op_end(f, e));                 \
+    }                                       \
   } while (0)
 
 /* ------------------------------------------------------------------------ */
@@ -441,6 +448,7 @@ m3_status m3_forward_decode(m3_forward *f, int n, const int *seqs, const int32_t
   for (int i = 0; graphs && i < f->n_graphs && !gr; i++)
     if (f->graphs[i].n == n && f->graphs[i].bucket == st.max_kv) gr = &f->graphs[i];
   if (gr) {
+    f->last_graph = (int)(gr - f->graphs);
     cudaError_t ce = cudaGraphLaunch(gr->exec, f->s);
     if (ce != cudaSuccess) s = m3_cuda_fail(e, ce, "cudaGraphLaunch", __FILE__, __LINE__);
   } else {
@@ -452,7 +460,8 @@ m3_status m3_forward_decode(m3_forward *f, int n, const int *seqs, const int32_t
       graph *ng = &f->graphs[f->n_graphs];
       ng->n = n;
       ng->bucket = st.max_kv;
-      if ((s = capture(f, &st, ng, e)) == M3_OK) f->n_graphs++;
+      ng->st = st;
+      if ((s = capture(f, &st, ng, e)) == M3_OK) f->last_graph = f->n_graphs++;
     }
   }
   if (s == M3_OK) s = finish(f, n, smp, next, logits, e);
@@ -625,6 +634,7 @@ m3_status m3_forward_create(m3_rt *rt, const m3_model *m, m3_kv_cache *kv, const
   if (kv->cfg.num_hidden_layers != c->num_hidden_layers || kv->cfg.sparse_block_size != c->sparse_block_size)
     return m3_errf(e, M3_INVAL, "forward: the KV cache was made for another config");
   m3_forward *f = calloc(1, sizeof *f);
+  if (f) f->last_graph = -1;
   if (!f) return m3_errf(e, M3_NOMEM, "forward");
   f->rt = rt;
   f->m = m;
@@ -815,6 +825,17 @@ static m3_status ev_next(m3_forward *f, const char *name, m3_err *e) {
   return M3_OK;
 }
 
+/* While capturing, notes each op name once (the breakdown's list); false for
+ * the ops a breakdown capture leaves out. */
+static int op_wanted(m3_forward *f, const char *name) {
+  if (f->capturing && !f->only_op) {
+    int i = 0;
+    while (i < f->n_seen && strcmp(f->seen_ops[i], name)) i++;
+    if (i == f->n_seen && f->n_seen < MAX_OPS) f->seen_ops[f->n_seen++] = name;
+  }
+  return !f->only_op || !strcmp(f->only_op, name);
+}
+
 static m3_status op_begin(m3_forward *f, const char *name, m3_err *e) {
   if (!f->o.timing || f->capturing) return M3_OK;
   return ev_next(f, name, e);
@@ -860,6 +881,77 @@ void m3_forward_print_timing(const m3_forward *fc, FILE *out) {
     fprintf(out, "  %-14s %8d %12.3f %6.1f%%\n", f->ops[i].name, f->ops[i].calls, f->ops[i].ms,
             total > 0 ? 100.0 * f->ops[i].ms / total : 0.0);
   fprintf(out, "  %-14s %8s %12.3f\n", "all kernels", "", total);
+}
+
+/* ---- graph breakdown: each op's launches replayed as a graph of their own -- */
+
+/* Median ms of `reps` replays of exec (after 3 unrecorded ones). */
+static m3_status replay_ms(m3_forward *f, cudaGraphExec_t exec, int reps, double *ms, m3_err *e) {
+  cudaEvent_t a, b;
+  M3_CUDA(e, cudaEventCreate(&a));
+  M3_CUDA(e, cudaEventCreate(&b));
+  double *t = malloc(sizeof *t * (size_t)reps);
+  m3_status s = t ? M3_OK : m3_errf(e, M3_NOMEM, "graph breakdown");
+  for (int i = -3; i < reps && s == M3_OK; i++) {
+    float x = 0;
+    cudaError_t ce = cudaEventRecord(a, f->s);
+    if (ce == cudaSuccess) ce = cudaGraphLaunch(exec, f->s);
+    if (ce == cudaSuccess) ce = cudaEventRecord(b, f->s);
+    if (ce == cudaSuccess) ce = cudaEventSynchronize(b);
+    if (ce == cudaSuccess) ce = cudaEventElapsedTime(&x, a, b);
+    if (ce != cudaSuccess) s = m3_cuda_fail(e, ce, "graph breakdown replay", __FILE__, __LINE__);
+    else if (i >= 0) t[i] = x;
+  }
+  if (s == M3_OK) {
+    for (int i = 1; i < reps; i++) /* insertion sort: reps is small */
+      for (int j = i; j > 0 && t[j - 1] > t[j]; j--) {
+        double x = t[j];
+        t[j] = t[j - 1], t[j - 1] = x;
+      }
+    *ms = t[reps / 2];
+  }
+  free(t);
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return s;
+}
+
+m3_status m3_forward_graph_breakdown(m3_forward *f, int reps, FILE *out, m3_err *e) {
+  if (f->last_graph < 0 || f->last_graph >= f->n_graphs)
+    return m3_errf(e, M3_INVAL, "graph breakdown: no decode step has run as a graph yet (decode with graphs on, "
+                   "without --timing, first)");
+  if (reps < 1) reps = 1;
+  graph *gr = &f->graphs[f->last_graph];
+  double full = 0, sum = 0;
+  M3_TRY(replay_ms(f, gr->exec, reps, &full, e));
+  fprintf(out, "decode graph breakdown (batch %d, context bucket %" PRId64 "; each op's launches of one step "
+               "captured and replayed as a graph of their own, median of %d):\n", gr->n, gr->bucket, reps);
+  fprintf(out, "  %-14s %12s %7s\n", "op", "ms/step", "share");
+  for (int i = 0; i < f->n_seen; i++) {
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t x = NULL;
+    M3_CUDA(e, cudaStreamSynchronize(f->s));
+    M3_CUDA(e, cudaStreamBeginCapture(f->s, cudaStreamCaptureModeRelaxed));
+    f->capturing = 1;
+    f->only_op = f->seen_ops[i];
+    m3_status s = forward_body(f, &gr->st, 0, e);
+    f->only_op = NULL;
+    f->capturing = 0;
+    cudaError_t ce = cudaStreamEndCapture(f->s, &g);
+    if (s == M3_OK && ce != cudaSuccess) s = m3_cuda_fail(e, ce, "graph breakdown capture", __FILE__, __LINE__);
+    if (s == M3_OK && (ce = cudaGraphInstantiate(&x, g, 0)) != cudaSuccess)
+      s = m3_cuda_fail(e, ce, "graph breakdown instantiate", __FILE__, __LINE__);
+    double ms = 0;
+    if (s == M3_OK) s = replay_ms(f, x, reps, &ms, e);
+    if (x) cudaGraphExecDestroy(x);
+    if (g) cudaGraphDestroy(g);
+    if (s != M3_OK) return m3_err_prefix(e, "graph breakdown of op %s: ", f->seen_ops[i]);
+    sum += ms;
+    fprintf(out, "  %-14s %12.3f %6.1f%%\n", f->seen_ops[i], ms, full > 0 ? 100.0 * ms / full : 0.0);
+  }
+  fprintf(out, "  %-14s %12.3f %6.1f%%\n", "sum of ops", sum, full > 0 ? 100.0 * sum / full : 0.0);
+  fprintf(out, "  %-14s %12.3f\n", "whole step", full);
+  return M3_OK;
 }
 
 void m3_forward_debug_selection(m3_forward *f, int32_t *capture, const int32_t *override) {

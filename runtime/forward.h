@@ -98,6 +98,17 @@ void m3_forward_print_timing(const m3_forward *f, FILE *out);
 /* Zero the timing table (e.g. after the prefill, to time decode alone). */
 void m3_forward_reset_timing(m3_forward *f);
 
+/* Where the time of a graph-replayed decode step goes, in the conditions it
+ * runs in: the last step's graph is replayed (median of reps), then each op
+ * (qkv_proj, indexer, moe, ...) is captured alone — its launches of every
+ * layer, nothing else — and replayed the same way; one row per op with ms per
+ * step and share of the whole step, and the sum of the rows (issue 6 wants it
+ * within 10% of the step).  The replays rerun the last step's kernels on
+ * whatever the buffers hold, so its cache slots and outputs are overwritten:
+ * call it after the last decode step whose results matter.
+ * Errors: M3_INVAL (no decode step has run as a graph), M3_CUDA. */
+m3_status m3_forward_graph_breakdown(m3_forward *f, int reps, FILE *out, m3_err *e);
+
 /* Activation bytes m3_forward_create allocates for these options (for
  * sizing the KV cache's reserve). */
 uint64_t m3_forward_activation_bytes(const m3_config *c, const m3_fwd_opts *o, int64_t max_ctx);

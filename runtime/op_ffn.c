@@ -333,8 +333,12 @@ static m3_status gemv_check(const m3_kernel *k, const m3_gemv_args *a, int moe, 
   return M3_OK;
 }
 
-static uint64_t gemv_grid(const m3_kernel *k, int64_t rows) {
+/* Rows per CTA: warps x rpw rows, or warps x rpw 16-row mma tiles for the
+ * W8A16 GEMV (templates/mxfp8.lua). */
+static uint64_t gemv_grid(const m3_kernel *k, const m3_gemv_args *a) {
+  const int64_t rows = a->rows;
   long per = m3_variant_tile_int(&k->key, "warps", 8) * m3_variant_tile_int(&k->key, "rpw", 2);
+  if (a->wfmt == M3_GEMV_E4M3) per *= 16;
   return (uint64_t)((rows + per - 1) / per);
 }
 
@@ -352,7 +356,7 @@ m3_status m3_launch_gemv(const m3_kernel *k, const m3_gemv_args *a, const void *
     const void *xc = (const uint16_t *)x + t0 * a->cols;
     void *yc = (char *)y + (size_t)t0 * (size_t)a->rows * ysz;
     void *args[] = {&xc, &w, &scale, &none, &none, &none, &zero, &one, &yc, &n, &rows};
-    M3_TRY(launch(k, gemv_grid(k, a->rows), 1, stream, args, e));
+    M3_TRY(launch(k, gemv_grid(k, a), 1, stream, args, e));
   }
   return M3_OK;
 }
@@ -364,18 +368,28 @@ m3_status m3_launch_linear_gemv(const m3_kernel *k, int64_t n, const void *x, co
   return m3_launch_gemv(k, &a, x, w->q ? (const void *)w->q : (const void *)w->bf16, w->scale, y, stream, e);
 }
 
-m3_status m3_launch_gemv_moe(const m3_kernel *k, const m3_gemv_args *a, const void *x, const void *const *w_tab,
-                             const void *const *s_tab, const int32_t *ids, void *y, cudaStream_t stream, m3_err *e) {
+m3_status m3_launch_gemv_moe_shared(const m3_kernel *k, const m3_gemv_args *a, const void *x,
+                                    const void *const *w_tab, const void *const *s_tab, const int32_t *ids,
+                                    const void *sw, const void *ss, int64_t n_shared, void *y, cudaStream_t stream,
+                                    m3_err *e) {
   M3_TRY(gemv_check(k, a, 1, e));
-  if (a->n > 65535) return m3_errf(e, M3_INVAL, "gemv moe: %" PRId64 " pairs > 65535 (grid.y)", a->n);
+  if (n_shared < 0 || a->n + n_shared > 65535)
+    return m3_errf(e, M3_INVAL, "gemv moe: %" PRId64 " + %" PRId64 " shared pairs > 65535 (grid.y)", a->n, n_shared);
   if (a->xdiv < 1 || a->n_experts < 1) return m3_errf(e, M3_INVAL, "gemv moe: xdiv %d, n_experts %d", a->xdiv, a->n_experts);
   if (a->wfmt == M3_GEMV_E4M3 && !s_tab) return m3_errf(e, M3_INVAL, "gemv moe: MXFP8 experts need a scale table");
+  if (n_shared && (!sw || (a->wfmt == M3_GEMV_E4M3 && !ss) || misaligned(sw)))
+    return m3_errf(e, M3_INVAL, "gemv moe: %" PRId64 " shared pairs need the shared expert's 16-byte aligned weight%s",
+                   n_shared, a->wfmt == M3_GEMV_E4M3 ? " and scales" : "");
   if (misaligned(x)) return m3_errf(e, M3_INVAL, "gemv moe: x must be 16-byte aligned");
-  if (!a->n) return M3_OK;
-  const void *none = NULL;
-  int n_tab = a->n_experts, xdiv = a->xdiv, one = 1, rows = (int)a->rows;
-  void *args[] = {&x, &none, &none, &w_tab, &s_tab, &ids, &n_tab, &xdiv, &y, &one, &rows};
-  return launch(k, gemv_grid(k, a->rows), (unsigned)a->n, stream, args, e);
+  if (!a->n && !n_shared) return M3_OK;
+  int n_tab = a->n_experts, xdiv = a->xdiv, routed = (int)a->n, rows = (int)a->rows;
+  void *args[] = {&x, &sw, &ss, &w_tab, &s_tab, &ids, &n_tab, &xdiv, &y, &routed, &rows};
+  return launch(k, gemv_grid(k, a), (unsigned)(a->n + n_shared), stream, args, e);
+}
+
+m3_status m3_launch_gemv_moe(const m3_kernel *k, const m3_gemv_args *a, const void *x, const void *const *w_tab,
+                             const void *const *s_tab, const int32_t *ids, void *y, cudaStream_t stream, m3_err *e) {
+  return m3_launch_gemv_moe_shared(k, a, x, w_tab, s_tab, ids, NULL, NULL, 0, y, stream, e);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -501,9 +515,11 @@ static size_t carve(moe_bufs *b, char *base, const m3_moe_args *a, const m3_moe_
   PIECE(tok, int32_t, P);
   PIECE(err, int32_t, 1);
   PIECE(xs, uint16_t, P * H);
-  PIECE(gu, uint16_t, P * 2 * I);
-  PIECE(act, uint16_t, P * I);
-  PIECE(y, uint16_t, P * H);
+  /* decode with a shared expert as wide as the routed ones runs it as T more
+   * pairs (rows P .. P + T - 1) of the MoE GEMVs */
+  PIECE(gu, uint16_t, (P + T) * 2 * I);
+  PIECE(act, uint16_t, (P + T) * I);
+  PIECE(y, uint16_t, (P + T) * H);
   PIECE(sgu, uint16_t, T * 2 * (Is ? Is : 1));
   PIECE(sact, uint16_t, T * (Is ? Is : 1));
   PIECE(sy, uint16_t, T * H);
@@ -603,16 +619,25 @@ m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_m
   }
 
   const int32_t *rowof = NULL;
+  const uint16_t *shared_y = Is ? b.sy : NULL;
   if (decode) {
-    /* Routed experts: one MoE GEMV for every pair's gate|up, one for down. */
+    /* Routed experts: one MoE GEMV for every pair's gate|up, one for down.
+     * A shared expert as wide as the routed ones rides along as n more pairs
+     * (its weights stream in the same grid: one launch each instead of two
+     * GEMVs and a SwiGLU of their own); outputs land in rows P .. P + n - 1. */
+    const int64_t ns = (Is && Is == I) ? n : 0;
     m3_gemv_args ga = {.n = P, .rows = 2 * I, .cols = H, .wfmt = wf, .moe = 1, .xdiv = (int)K, .n_experts = (int)E};
     M3_TRY(m3_gemv_kernel(rt, &ga, &k, e));
-    M3_TRY(m3_launch_gemv_moe(k, &ga, m, w->gu_tab, w->gu_scale_tab, ids, b.gu, s, e));
-    M3_TRY(m3_launch_swiglu(sw, P, I, b.gu, b.act, s, e));
+    M3_TRY(m3_launch_gemv_moe_shared(k, &ga, m, w->gu_tab, w->gu_scale_tab, ids, w->shared_gu, w->shared_gu_scale,
+                                     ns, b.gu, s, e));
+    M3_TRY(m3_launch_swiglu(sw, P + ns, I, b.gu, b.act, s, e));
     m3_gemv_args gd = {.n = P, .rows = H, .cols = I, .wfmt = wf, .moe = 1, .xdiv = 1, .n_experts = (int)E};
     M3_TRY(m3_gemv_kernel(rt, &gd, &k, e));
-    M3_TRY(m3_launch_gemv_moe(k, &gd, b.act, w->down_tab, w->down_scale_tab, ids, b.y, s, e));
-    if (Is) {
+    M3_TRY(m3_launch_gemv_moe_shared(k, &gd, b.act, w->down_tab, w->down_scale_tab, ids, w->shared_down,
+                                     w->shared_down_scale, ns, b.y, s, e));
+    if (ns) {
+      shared_y = b.y + P * H;
+    } else if (Is) {
       M3_TRY(gemv_run(rt, s, n, 2 * Is, H, wf, 0, m, w->shared_gu, w->shared_gu_scale, b.sgu, e));
       M3_TRY(m3_launch_swiglu(swsh, n, Is, b.sgu, b.sact, s, e));
       M3_TRY(gemv_run(rt, s, n, H, Is, wf, 0, b.sact, w->shared_down, w->shared_down_scale, b.sy, e));
@@ -663,5 +688,5 @@ m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_m
   }
   M3_TRY(m3_combine_key((int)H, (int)K, Is > 0, rowof != NULL, &v, e));
   M3_TRY(m3_rt_kernel(rt, &v, NULL, &k, e));
-  return m3_launch_moe_combine(k, n, (int)H, (int)K, b.y, rowof, wts, Is ? b.sy : NULL, out, s, e);
+  return m3_launch_moe_combine(k, n, (int)H, (int)K, b.y, rowof, wts, shared_y, out, s, e);
 }

@@ -183,6 +183,18 @@ m3_status m3_launch_linear_gemv(const m3_kernel *k, int64_t n, const void *x, co
 m3_status m3_launch_gemv_moe(const m3_kernel *k, const m3_gemv_args *a, const void *x, const void *const *w_tab,
                              const void *const *s_tab, const int32_t *ids, void *y, cudaStream_t stream, m3_err *e);
 
+/* m3_launch_gemv_moe plus n_shared pairs of the shared expert (spec §7.2) in
+ * the same launch, so its weights stream with the routed ones: pairs
+ * a->n .. a->n + n_shared - 1 read sw (+ ss scales for e4m3; device
+ * pointers, same shape as an expert) and x row j (j = 0 .. n_shared - 1) when
+ * xdiv > 1 (gate|up: x holds the tokens), x row a->n + j when xdiv == 1
+ * (down: x holds every pair's activations), and write y row a->n + j.
+ * n_shared = 0 is m3_launch_gemv_moe.  Errors: as m3_launch_gemv_moe. */
+m3_status m3_launch_gemv_moe_shared(const m3_kernel *k, const m3_gemv_args *a, const void *x,
+                                    const void *const *w_tab, const void *const *s_tab, const int32_t *ids,
+                                    const void *sw, const void *ss, int64_t n_shared, void *y, cudaStream_t stream,
+                                    m3_err *e);
+
 /* ---- Sampling; templates/sample.lua ------------------------------------ */
 
 /* Key from m3_sample_args: greedy when temperature <= 0 or top_p <= 0 (as

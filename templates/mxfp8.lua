@@ -11,24 +11,33 @@
 --            table indexed by the routed expert id (grid.y = pair), so all the
 --            chosen experts of a decode step stream in one launch.
 --
--- GEMV design (memory-bound): each warp owns `rpw` rows; lane l streams the
--- 16-byte chunks l, l+32, ... of each row (512 contiguous bytes per warp and
--- row per step, `unroll` steps of loads in flight before first use), so every
--- weight byte is read once with 16-byte coalesced non-L1-allocating loads.
--- x is staged once per CTA into shared memory as fp32 (bank-conflict
--- swizzled), shared by all rows of the CTA and all `rpw` rows of a warp.
--- e4m3 is decoded with integer ops only (no conversion-pipe instructions):
--- byte b -> float bits sign<<31 | (b & 0x7f)<<20, i.e. the value x 2^-120,
--- exact for normals and subnormals; the 2^120 is folded into the staged x
--- (x * 2^64, exact) and the block scale (x 2^56 x 2^(s-127)), keeping every
--- product a normal fp32 number.  Each 16-weight partial sum is scaled by its
--- E8M0 block scale (a power of two, exact), so the result is a bf16 GEMM with
--- the dequantised weight up to fp32 summation order (tests: rel. L2 <= 1e-2
--- against m3_ref_gemm_w8a16).  Preconditions of the e4m3 path: |x| < 2^64
--- and no e4m3 NaN codes (0x7F/0xFF) in the weight (quantisers saturate; the
--- GEMV would read them as +-480).
+-- GEMV design (memory-bound).  bf16 and fp32 weights: each warp owns `rpw`
+-- rows; lane l streams the 16-byte chunks l, l+32, ... of each row (512
+-- contiguous bytes per warp and row per step, `unroll` steps of loads in
+-- flight before first use), so every weight byte is read once with 16-byte
+-- coalesced non-L1-allocating loads; x is staged once per CTA into shared
+-- memory as fp32 (bank-conflict swizzled) and FMA'd in fp32.
+-- MXFP8 (W8A16) weights go through the tensor cores instead: decoding and
+-- FMA-ing every e4m3 byte on the integer pipe held the FMA design at 61-72% of
+-- HBM bandwidth (ncu on the H200: ALU pipe 58% busy, 2.7 IPC).  A warp owns
+-- `rpw` tiles of 16 rows; per 32-column E8M0 block each lane loads 8 bytes of
+-- rows g and g+8 (lane = 4g + tq, the quad's 4 lanes cover the block: 8 full
+-- 32-byte sectors per warp load), decodes them to fp16 with bit moves (exact,
+-- x 2^-8; or cvt.rn.f16x2.e4m3x2 with cvt=hw, exact and unscaled) and runs two
+-- mma.m16n8k16 (fp32 accumulate) against x, the mma's 8 columns being up to 8
+-- tokens; the block's partial sums are then scaled by the rows' E8M0 factors
+-- (exact powers of two) into fp32 accumulators.  x is staged in shared memory
+-- as fp16 times a per-token power of two 2^sh that puts max|x| in [2^14, 2^15)
+-- (a bf16 value there is exact in fp16; only values below 2^-24 of the token's
+-- max lose bits) in the dims order the decoded weights pair them, and sh is
+-- undone on the output.  So products are exact, sums are fp32 in another order:
+-- a bf16 GEMM with the dequantised weight up to summation order (tests: rel.
+-- L2 <= 1e-2 against m3_ref_gemm_w8a16).  Preconditions: |x| < 2^100 and no
+-- e4m3 NaN codes (0x7F/0xFF) in the weight (quantisers saturate; cvt=alu reads
+-- them as +-480, cvt=hw as NaN).
 local P = m3.include("lib/prelude")
 local F = m3.include("lib/ffn")
+local I = m3.include("lib/indexer")
 
 local T = {}
 T.name = "mxfp8"
@@ -43,7 +52,8 @@ T.axes = {
 T.tiles = {
   {"warps", {2, 4, 8, 16}},         -- warps per CTA
   {"rpw", {1, 2, 4}},               -- rows per warp (x reuse from shared memory)
-  {"unroll", {1, 2, 4}},            -- 16-byte steps of loads in flight per row
+  {"unroll", {1, 2, 4, 8}},         -- loads in flight per row: 16-byte steps (bf16, f32), 32-column blocks (e4m3)
+  {"cvt", {"alu", "hw"}},           -- e4m3 -> fp16 (W8A16 GEMV): bit moves, or cvt.rn.f16x2.e4m3x2
 }
 
 -- Opt-in dynamic shared memory per block, by SM generation.
@@ -55,7 +65,12 @@ local function smem_limit(arch)
   return 101376
 end
 
-local function gemv_smem(k) return k.nmax * k.cols * 4 end
+-- Staged x: fp32 for the FMA GEMVs; fp16 rows padded by 16 bytes (no bank
+-- conflicts between the tokens' rows) for the tensor-core W8A16 GEMV.
+local function gemv_smem(k)
+  if k.w == "e4m3" then return k.nmax * (k.cols * 2 + 16) end
+  return k.nmax * k.cols * 4
+end
 
 function T.valid(k, t, arch)
   if m3.sm(arch) < 80 then return false, "needs sm_80+" end
@@ -65,9 +80,13 @@ function T.valid(k, t, arch)
       return false, "dequant is e4m3 -> bf16 only: use w=e4m3, out=bf16, nmax=1, moe=0"
     end
     if k.cols % 32 ~= 0 then return false, "MXFP8 rows are blocks of 32: cols % 32 must be 0" end
-    if t.rpw ~= 1 or t.unroll ~= 1 then return false, "dequant uses only the warps tile: rpw=1, unroll=1" end
+    if t.rpw ~= 1 or t.unroll ~= 1 or t.cvt ~= "alu" then
+      return false, "dequant uses only the warps tile: rpw=1, unroll=1, cvt=alu"
+    end
     return true
   end
+  if t.cvt == "hw" and k.w ~= "e4m3" then return false, "cvt=hw decodes e4m3 weights only (cvt=alu)" end
+  if t.cvt == "hw" and m3.sm(arch) < 89 then return false, "cvt.rn.f16x2.e4m3x2 needs sm_89+" end
   if k.w == "e4m3" and k.cols % 32 ~= 0 then return false, "MXFP8 rows are blocks of 32: cols % 32 must be 0" end
   if k.cols % 8 ~= 0 then return false, "cols % 8 must be 0 (16-byte staging of x)" end
   if k.w == "e4m3" and k.out ~= "bf16" then return false, "W8A16 writes bf16 (out=bf16)" end
@@ -78,13 +97,15 @@ function T.valid(k, t, arch)
   end
   if t.rpw * k.nmax > 32 then return false, "rpw x nmax > 32 accumulators per lane" end
   if t.rpw * t.unroll > 8 then return false, "rpw x unroll > 8 loads in flight per lane (registers)" end
+  if k.w == "e4m3" and t.warps > 8 then return false, "W8A16: at most 8 warps (16 rows each per rpw)" end
   return true
 end
 
 function T.default_tile(k, arch)
-  if k.op == "dequant" then return {warps = 8, rpw = 1, unroll = 1} end
-  if k.w == "f32" then return {warps = 4, rpw = 1, unroll = 4} end
-  return {warps = 8, rpw = 2, unroll = 2}
+  if k.op == "dequant" then return {warps = 8, rpw = 1, unroll = 1, cvt = "alu"} end
+  if k.w == "f32" then return {warps = 4, rpw = 1, unroll = 4, cvt = "alu"} end
+  if k.w == "e4m3" then return {warps = 4, rpw = 1, unroll = 8, cvt = "alu"} end
+  return {warps = 8, rpw = 2, unroll = 2, cvt = "alu"}
 end
 
 function T.variants(c)
@@ -212,10 +233,12 @@ M3_DEV float dot_chunk(uint4 q, const float *xv, float acc) {
 #endif
 
 /* Non-MoE: x [n, COLS] bf16 (n <= NMAX), w [rows, COLS] (+ ws [rows, COLS/32]
- * E8M0 for e4m3), y [n, rows].  MoE: pair p = blockIdx.y uses expert ids[p] (in [0, n_tab)),
- * weight w_tab[ids[p]] (+ ws_tab[ids[p]]), x row p / xdiv (xdiv = top-k for
- * the gate|up GEMV of token rows, 1 for the down GEMV of pair rows), and
- * writes y row p.  y is bf16 or fp32 (OUT_F32). */
+ * E8M0 for e4m3), y [n, rows].  MoE: pair p = blockIdx.y < n (the routed
+ * pairs) uses expert ids[p] (in [0, n_tab)), weight w_tab[ids[p]] (+
+ * ws_tab[ids[p]]) and x row p / xdiv (xdiv = top-k for the gate|up GEMV of
+ * token rows, 1 for the down GEMV of pair rows); a pair p >= n is the shared
+ * expert's (weight w (+ ws)), x row p - n (xdiv > 1) or p (xdiv == 1).  Pair
+ * p writes y row p.  y is bf16 or fp32 (OUT_F32). */
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned char *__restrict__ ws,
      const void *const *__restrict__ w_tab, const unsigned char *const *__restrict__ ws_tab,
@@ -225,7 +248,7 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
   const int ntok = MOE ? 1 : n;
   const unsigned char *wb;
   const unsigned char *sb = 0;
-  if (MOE) {
+  if (MOE && p < n) {
     const int ex = ids[p];
     if (ex < 0 || ex >= n_tab) return;   /* the whole CTA: never index the table with a bad id; y row p stays */
     wb = (const unsigned char *)w_tab[ex];
@@ -248,7 +271,7 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
         asm volatile("prefetch.global.L2 [%0];" ::"l"(wb + ((long long)(row0 + r) * CPR + c) * 16));
     }
 #endif
-  const bf16_t *xb = MOE ? x + (long long)(p / xdiv) * COLS : x;
+  const bf16_t *xb = MOE ? x + (long long)(p < n ? p / xdiv : (xdiv == 1 ? p : p - n)) * COLS : x;
   const float xscale = WFMT == 0 ? 0x1p64f : 1.0f;   /* exact; see the file comment */
   for (int i = threadIdx.x; i < ntok * (COLS / 8); i += WARPS * 32) {
     const int t = i / (COLS / 8), g = i - t * (COLS / 8);
@@ -346,12 +369,211 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
 }
 ]==]
 
+
+local gemv_mma_body = [==[
+#define COLS $cols
+#define NMAX $nmax
+#define MOE $moe
+#define WARPS $warps
+#define RPW $rpw                 /* 16-row mma tiles per warp */
+#define UNR $unroll                /* 32-column blocks per lane per step */
+#define WLOG2 $wlog2             /* the decoded weight is e4m3 x 2^-WLOG2 */
+#define NBLK (COLS / 32)
+#define XS4 (COLS / 8 + 1)       /* uint4 per staged token row (16 bytes of padding) */
+M3_DEV float e8m0_to_f32(u32 s) {
+  return s == 0u ? __uint_as_float(0x00400000u) : (s == 255u ? __uint_as_float(0x7fc00000u) : __uint_as_float(s << 23));
+}
+M3_DEV float pow2f(int e) { return __uint_as_float((u32)(e + 127) << 23); } /* e in [-126, 127] */
+
+#ifndef __CUDA_ARCH__
+/* fp32 -> fp16 bits, round to nearest even (what cvt.rn does). */
+static unsigned f32_to_f16_bits(float f) {
+  const u32 u = __float_as_uint(f), s = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return s | 0x7e00u;
+  if (a >= 0x477ff000u) return s | 0x7c00u;
+  if (a < 0x38800000u) return s | (u32)rintf(__uint_as_float(a) * 16777216.0f);
+  return s | ((a + 0x0fffu + ((a >> 13) & 1u) - 0x38000000u) >> 13);
+}
+#endif
+M3_DEV u32 f16x2_of(float lo, float hi) {
+#ifdef __CUDA_ARCH__
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return f32_to_f16_bits(lo) | (f32_to_f16_bits(hi) << 16);
+#endif
+}
+M3_DEV uint2 ld8_stream(const unsigned char *p) {
+#ifdef __CUDA_ARCH__
+  uint2 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+#else
+  return *(const uint2 *)p;
+#endif
+}
+
+/* One step of a warp's weights: blocks [b0, b0 + UNR) of its rows. */
+struct wstep {
+  uint2 q[UNR][RPW][2];            /* 8 bytes of rows g, g+8 of each tile */
+  u32 sc[RPW][2][(UNR + 3) / 4];   /* their E8M0 bytes, packed */
+};
+
+M3_DEV void load_step(wstep &st, const unsigned char *wb, const unsigned char *sb, int row0, int rows, int b0,
+                      int g, int tq) {
+#pragma unroll
+  for (int r = 0; r < RPW; r++)
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const int row = row0 + 16 * r + 8 * h + g;
+      const int ok = row < rows;
+      const unsigned char *wr = wb + (long long)row * COLS + 8 * tq;
+#pragma unroll
+      for (int u = 0; u < UNR; u++) {
+        st.q[u][r][h] = make_uint2(0u, 0u);
+        if (ok && b0 + u < NBLK) st.q[u][r][h] = ld8_stream(wr + 32 * (b0 + u));
+      }
+      const unsigned char *sr = sb + (long long)row * NBLK + b0;
+#if UNR % 4 == 0 && NBLK % 4 == 0
+#pragma unroll
+      for (int j = 0; j < UNR / 4; j++) st.sc[r][h][j] = ok && b0 + 4 * j < NBLK ? __ldg((const u32 *)sr + j) : 0u;
+#else
+#pragma unroll
+      for (int j = 0; j < (UNR + 3) / 4; j++) st.sc[r][h][j] = 0u;
+#pragma unroll
+      for (int u = 0; u < UNR; u++)
+        if (ok && b0 + u < NBLK) st.sc[r][h][u / 4] |= (u32)__ldg(sr + u) << (8 * (u % 4));
+#endif
+    }
+}
+
+/* Non-MoE: x [n, COLS] bf16 (n <= NMAX), w [rows, COLS] e4m3 + ws [rows, COLS/32]
+ * E8M0, y [n, rows] bf16.  MoE: as the FMA GEMV's (pairs p < n routed, p >= n
+ * the shared expert's w + ws). */
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+$sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned char *__restrict__ ws,
+     const void *const *__restrict__ w_tab, const unsigned char *const *__restrict__ ws_tab,
+     const int *__restrict__ ids, int n_tab, int xdiv, void *__restrict__ y, int n, int rows) {
+  DYN_SMEM(uint4, xs4);          /* [NMAX][XS4] fp16 x 2^sh, dims paired (0,2),(1,3),(4,6),(5,7) */
+  __shared__ int s_emax[NMAX];
+  __shared__ float s_out[NMAX];
+  const int p = MOE ? (int)blockIdx.y : 0;
+  const int ntok = MOE ? 1 : n;
+  const unsigned char *wb, *sb;
+  if (MOE && p < n) {
+    const int ex = ids[p];
+    if (ex < 0 || ex >= n_tab) return;   /* the whole CTA: never index the table with a bad id; y row p stays */
+    wb = (const unsigned char *)w_tab[ex];
+    sb = ws_tab[ex];
+  } else {
+    wb = (const unsigned char *)w;
+    sb = ws;
+  }
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+  const int row0 = ((int)blockIdx.x * WARPS + warp) * RPW * 16;
+
+  /* The first weights are in flight while x is staged. */
+  wstep cur;
+  load_step(cur, wb, sb, row0, rows, 0, g, tq);
+
+  const bf16_t *xb = MOE ? x + (long long)(p < n ? p / xdiv : (xdiv == 1 ? p : p - n)) * COLS : x;
+  if (tid < NMAX) s_emax[tid] = 0;
+  __syncthreads();
+  for (int t = 0; t < ntok; t++) {
+    u32 m = 0u;
+    for (int i = tid; i < COLS / 8; i += WARPS * 32) {
+      const uint4 v = ld16(xb + (long long)t * COLS + 8 * i);
+      xs4[t * XS4 + i] = v;
+      const u32 a[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        const u32 lo = a[j] & 0x7fffu, hi = (a[j] >> 16) & 0x7fffu;
+        m = max(m, max(lo, hi));
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(FULL, m, o));
+    if (lane == 0) atomicMax(&s_emax[t], (int)(m >> 7));
+  }
+  __syncthreads();
+  for (int t = 0; t < ntok; t++) {
+    int sh = 141 - s_emax[t]; /* max|x| 2^sh in [2^14, 2^15) */
+    sh = sh < -100 ? -100 : (sh > 100 ? 100 : sh);
+    const float xm = pow2f(sh);
+    if (tid == 0) s_out[t] = pow2f(WLOG2 - sh); /* |WLOG2 - sh| <= 108 */
+    for (int i = tid; i < COLS / 8; i += WARPS * 32) {
+      const uint4 v = xs4[t * XS4 + i];
+      uint4 o;
+      o.x = f16x2_of(fmul_rn(bf16lo(v.x), xm), fmul_rn(bf16lo(v.y), xm));   /* dims 0, 2 */
+      o.y = f16x2_of(fmul_rn(bf16hi(v.x), xm), fmul_rn(bf16hi(v.y), xm));   /* dims 1, 3 */
+      o.z = f16x2_of(fmul_rn(bf16lo(v.z), xm), fmul_rn(bf16lo(v.w), xm));   /* dims 4, 6 */
+      o.w = f16x2_of(fmul_rn(bf16hi(v.z), xm), fmul_rn(bf16hi(v.w), xm));   /* dims 5, 7 */
+      xs4[t * XS4 + i] = o;
+    }
+  }
+  __syncthreads();
+  if (row0 >= rows) return;
+
+  float acc[RPW][4];
+#pragma unroll
+  for (int r = 0; r < RPW; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.0f;
+#pragma unroll 1
+  for (int b0 = 0; b0 < NBLK; b0 += UNR) {
+    wstep nxt;
+    const int more = b0 + UNR < NBLK;
+    if (more) load_step(nxt, wb, sb, row0, rows, b0 + UNR, g, tq);
+#pragma unroll
+    for (int u = 0; u < UNR; u++) {
+      if (b0 + u < NBLK) {
+        const uint4 xv = g < ntok ? xs4[g * XS4 + 4 * (b0 + u) + tq] : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int r = 0; r < RPW; r++) {
+          u32 a0, a2, a1, a3, c0, c2, c1, c3;
+          e4m3_word_f16(cur.q[u][r][0].x, a0, a2);   /* row g, dims 0-3 of the lane's 8 */
+          e4m3_word_f16(cur.q[u][r][1].x, a1, a3);   /* row g + 8 */
+          e4m3_word_f16(cur.q[u][r][0].y, c0, c2);   /* dims 4-7 */
+          e4m3_word_f16(cur.q[u][r][1].y, c1, c3);
+          float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          mma16816(c, a0, a1, a2, a3, xv.x, xv.y);
+          mma16816(c, c0, c1, c2, c3, xv.z, xv.w);
+          const float s0 = e8m0_to_f32((cur.sc[r][0][u / 4] >> (8 * (u % 4))) & 0xffu);
+          const float s1 = e8m0_to_f32((cur.sc[r][1][u / 4] >> (8 * (u % 4))) & 0xffu);
+          acc[r][0] = ffma_rn(c[0], s0, acc[r][0]);
+          acc[r][1] = ffma_rn(c[1], s0, acc[r][1]);
+          acc[r][2] = ffma_rn(c[2], s1, acc[r][2]);
+          acc[r][3] = ffma_rn(c[3], s1, acc[r][3]);
+        }
+      }
+    }
+    if (more) cur = nxt;
+  }
+  /* c[0], c[1]: row g, tokens 2tq, 2tq + 1; c[2], c[3]: row g + 8. */
+#pragma unroll
+  for (int r = 0; r < RPW; r++)
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const int row = row0 + 16 * r + g + 8 * (i >> 1), t = 2 * tq + (i & 1);
+      if (row < rows && t < ntok) {
+        const long long at = (long long)(MOE ? p : t) * rows + row;
+        ((bf16_t *)y)[at] = f32_to_bf16(fmul_rn(acc[r][i], s_out[t]));
+      }
+    }
+}
+]==]
+
 function T.render(k, t, arch, sym)
   local src, threads, smem
   threads = t.warps * 32
   if k.op == "dequant" then
     src = F.subst("mxfp8", dequant_body, {cols = k.cols, threads = threads, sym = sym})
     smem = 0
+  elseif k.w == "e4m3" then
+    src = "#ifndef FULL\n#define FULL 0xffffffffu\n#endif\n" .. I.mma("f16") .. I.e4m3_decode(t.cvt) .. F.subst("mxfp8", gemv_mma_body, {
+      cols = k.cols, nmax = k.nmax, moe = k.moe, warps = t.warps, rpw = t.rpw, unroll = t.unroll,
+      wlog2 = t.cvt == "hw" and 0 or 8, sym = sym,
+    })
+    smem = gemv_smem(k)
   else
     src = F.subst("mxfp8", gemv_body, {
       wfmt = ({e4m3 = 0, bf16 = 1, f32 = 2})[k.w], outf32 = k.out == "f32" and 1 or 0, cols = k.cols,

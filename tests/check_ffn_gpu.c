@@ -846,15 +846,19 @@ START_TEST(gemv_every_tile) {
 }
 END_TEST
 
-/* The MoE GEMV: pairs through the pointer table, vs the per-pair reference. */
-static void run_gemv_moe(int e4m3, int E, int T, int K, int64_t rows, int64_t cols, int xdiv, const char *tile) {
-  m3_rng r = rng_for((uint64_t)E * 3 + (uint64_t)rows + (uint64_t)e4m3);
-  const int P = T * K, XR = xdiv == 1 ? P : T;
+/* The MoE GEMV: pairs through the pointer table, vs the per-pair reference;
+ * with `shared`, one more expert (index E, outside the tables) runs as the
+ * shared expert's pairs of m3_launch_gemv_moe_shared: one per token (gate|up,
+ * xdiv > 1) or one per token after the P routed rows (down, xdiv == 1). */
+static void run_gemv_moe(int e4m3, int E, int T, int K, int64_t rows, int64_t cols, int xdiv, const char *tile,
+                         int shared) {
+  m3_rng r = rng_for((uint64_t)E * 3 + (uint64_t)rows + (uint64_t)e4m3 + (uint64_t)shared * 17);
+  const int P = T * K, NS = shared ? T : 0, XR = xdiv == 1 ? P + NS : T, NE = E + (shared ? 1 : 0);
   m3_bf16 *x = rand_bf16(&r, (size_t)XR * cols, 1.0f);
-  uint8_t **q = calloc((size_t)E, sizeof *q), **s = calloc((size_t)E, sizeof *s);
-  m3_bf16 **wb = calloc((size_t)E, sizeof *wb);
-  const void **h_w = calloc((size_t)E, sizeof *h_w), **h_s = calloc((size_t)E, sizeof *h_s);
-  for (int x2 = 0; x2 < E; x2++) {
+  uint8_t **q = calloc((size_t)NE, sizeof *q), **s = calloc((size_t)NE, sizeof *s);
+  m3_bf16 **wb = calloc((size_t)NE, sizeof *wb);
+  const void **h_w = calloc((size_t)NE, sizeof *h_w), **h_s = calloc((size_t)NE, sizeof *h_s);
+  for (int x2 = 0; x2 < NE; x2++) {
     if (e4m3) {
       rand_mxfp8(&r, rows, cols, &q[x2], &s[x2], 0);
       h_w[x2] = dup(q[x2], (size_t)rows * cols);
@@ -869,7 +873,7 @@ static void run_gemv_moe(int e4m3, int E, int T, int K, int64_t rows, int64_t co
   ids[P - 1] = E; /* a bad id: that row must stay untouched */
   void *d_tab = dup(h_w, sizeof(void *) * (size_t)E), *d_stab = e4m3 ? dup(h_s, sizeof(void *) * (size_t)E) : NULL;
   void *d_ids = dup(ids, 4 * (size_t)P), *d_x = dup(x, sizeof *x * (size_t)XR * cols);
-  void *d_y = dpoison(sizeof(m3_bf16) * (size_t)P * rows);
+  void *d_y = dpoison(sizeof(m3_bf16) * (size_t)(P + NS) * rows);
   m3_gemv_args a = {.n = P, .rows = rows, .cols = cols, .wfmt = e4m3 ? M3_GEMV_E4M3 : M3_GEMV_BF16, .moe = 1,
                     .xdiv = xdiv, .n_experts = E};
   m3_kernel *k;
@@ -882,21 +886,27 @@ static void run_gemv_moe(int e4m3, int E, int T, int K, int64_t rows, int64_t co
     GPU_CHECK(m3_gemv_kernel(&g_rt, &a, &k, &e_));
   }
   char ctx[1400];
-  ctx_of(k, "gemv moe", ctx, sizeof ctx);
-  GPU_CHECK(m3_launch_gemv_moe(k, &a, d_x, d_tab, d_stab, d_ids, d_y, g_rt.stream, &e_));
+  ctx_of(k, shared ? "gemv moe + shared" : "gemv moe", ctx, sizeof ctx);
+  if (shared)
+    GPU_CHECK(m3_launch_gemv_moe_shared(k, &a, d_x, d_tab, d_stab, d_ids, h_w[E], h_s[E], NS, d_y, g_rt.stream, &e_));
+  else
+    GPU_CHECK(m3_launch_gemv_moe(k, &a, d_x, d_tab, d_stab, d_ids, d_y, g_rt.stream, &e_));
   sync_ok();
-  m3_bf16 *y = down(d_y, sizeof(m3_bf16) * (size_t)P * rows), *yr = malloc(sizeof *yr * (size_t)rows);
-  for (int p = 0; p < P; p++) {
-    if (ids[p] >= E) {
+  m3_bf16 *y = down(d_y, sizeof(m3_bf16) * (size_t)(P + NS) * rows), *yr = malloc(sizeof *yr * (size_t)rows);
+  for (int p = 0; p < P + NS; p++) {
+    if (p < P && ids[p] >= E) {
       for (int64_t i = 0; i < rows; i++) ck_assert_msg(y[(size_t)p * rows + i] == 0xffff, "%s: bad-id row written", ctx);
       continue;
     }
-    const m3_bf16 *xp = x + (size_t)(p / xdiv) * cols;
-    if (e4m3) ck_assert_int_eq(m3_ref_gemm_w8a16(1, rows, cols, xp, q[ids[p]], s[ids[p]], yr, &e), M3_OK);
-    else ck_assert_int_eq(m3_ref_gemm_bf16(1, rows, cols, xp, wb[ids[p]], yr, &e), M3_OK);
-    expect_rel(ctx, y + (size_t)p * rows, yr, (size_t)rows, 1e-2);
+    const int ex = p < P ? ids[p] : E;
+    const m3_bf16 *xp = x + (size_t)(p < P ? p / xdiv : (xdiv == 1 ? p : p - P)) * cols;
+    if (e4m3) ck_assert_int_eq(m3_ref_gemm_w8a16(1, rows, cols, xp, q[ex], s[ex], yr, &e), M3_OK);
+    else ck_assert_int_eq(m3_ref_gemm_bf16(1, rows, cols, xp, wb[ex], yr, &e), M3_OK);
+    char c2[1500];
+    snprintf(c2, sizeof c2, "%s pair %d%s", ctx, p, p >= P ? " (shared)" : "");
+    expect_rel(c2, y + (size_t)p * rows, yr, (size_t)rows, 1e-2);
   }
-  for (int x2 = 0; x2 < E; x2++) {
+  for (int x2 = 0; x2 < NE; x2++) {
     m3_dev_free((void *)h_w[x2]);
     m3_dev_free((void *)h_s[x2]);
     free(q[x2]); free(s[x2]); free(wb[x2]);
@@ -907,8 +917,10 @@ static void run_gemv_moe(int e4m3, int E, int T, int K, int64_t rows, int64_t co
 
 START_TEST(gemv_moe_expert_shapes) {
   /* gate|up of real experts (6144 x 6144 packed) and down (6144 x 3072) */
-  run_gemv_moe(_i == 0, 3, 2, 4, real_rows(6144), 6144, 4, NULL);
-  run_gemv_moe(_i == 0, 3, 2, 4, real_rows(6144), 3072, 1, NULL);
+  run_gemv_moe(_i == 0, 3, 2, 4, real_rows(6144), 6144, 4, NULL, 0);
+  run_gemv_moe(_i == 0, 3, 2, 4, real_rows(6144), 3072, 1, NULL, 0);
+  run_gemv_moe(_i == 0, 3, 2, 4, real_rows(6144), 6144, 4, NULL, 1);
+  run_gemv_moe(_i == 0, 3, 2, 4, real_rows(6144), 3072, 1, NULL, 1);
 }
 END_TEST
 
@@ -920,7 +932,7 @@ START_TEST(gemv_moe_every_tile) {
   char (*tiles)[256];
   int n = valid_tiles(&v, &tiles);
   ck_assert_int_gt(n, 1);
-  for (int i = 0; i < n; i++) run_gemv_moe(1, 5, 2, 4, 515, 1024, 4, tiles[i]);
+  for (int i = 0; i < n; i++) run_gemv_moe(1, 5, 2, 4, 515, 1024, 4, tiles[i], i % 2);
   free(tiles);
 }
 END_TEST
@@ -968,9 +980,10 @@ END_TEST
  * shared expert of 256.  The router is built so its fp32 logits are exact
  * in every summation order (m = k/64 with |k| <= 256, each router row has 4
  * non-zeros j/8), so GPU and reference route identically and only the GEMM
- * summation order differs. */
-static void run_moe(int e4m3, int64_t N, int path) {
-  const int H = 512, I = 256, Is = 256, E = 16, K = 4;
+ * summation order differs.  A shared expert as wide as the routed ones runs
+ * inside the routed GEMVs on the decode path; Is = 128 takes the separate one. */
+static void run_moe(int e4m3, int64_t N, int path, int Is) {
+  const int H = 512, I = 256, E = 16, K = 4;
   m3_rng r = rng_for((uint64_t)N * 11 + (uint64_t)e4m3 * 3 + (uint64_t)path);
   m3_bf16 *m = malloc(sizeof *m * (size_t)N * H);
   for (int64_t i = 0; i < N * H; i++) m[i] = m3_f32_to_bf16((float)((int)(m3_rng_next(&r) % 513) - 256) / 64.0f);
@@ -1074,11 +1087,16 @@ static void run_moe(int e4m3, int64_t N, int path) {
 }
 
 START_TEST(moe_end_to_end) {
-  /* _i: {mxfp8, bf16} x {decode N=1, decode N=5, prefill N=5, prefill N=33} */
+  /* _i < 8: {mxfp8, bf16} x {decode N=1, decode N=5, prefill N=5, prefill N=33};
+   * 8, 9: decode N=3 with a narrower shared expert, mxfp8 and bf16 */
+  if (_i >= 8) {
+    run_moe(_i == 8, 3, 1, 128);
+    return;
+  }
   const int e4m3 = _i < 4;
   const int c = _i % 4;
   const int64_t N = c == 0 ? 1 : c == 3 ? 33 : 5;
-  run_moe(e4m3, N, c < 2 ? 1 : 2);
+  run_moe(e4m3, N, c < 2 ? 1 : 2, 256);
 }
 END_TEST
 
@@ -1279,7 +1297,7 @@ static Suite *make(void) {
   tcase_add_loop_test(c[6].tc, gemv_moe_expert_shapes, 0, 2);
   tcase_add_test(c[6].tc, gemv_moe_every_tile);
   tcase_add_loop_test(c[6].tc, cublas_gemm, 0, 4);
-  tcase_add_loop_test(c[7].tc, moe_end_to_end, 0, 8);
+  tcase_add_loop_test(c[7].tc, moe_end_to_end, 0, 10);
   tcase_add_test(c[8].tc, greedy_matches_reference);
   tcase_add_loop_test(c[8].tc, top_p_matches_reference, 0, 5);
   tcase_add_test(c[8].tc, sample_every_tile);

@@ -296,6 +296,24 @@ START_TEST(graph_replay_equals_eager) {
                     "%s", e.msg);
       (graph ? tb : ta)[s] = tok;
     }
+    /* The op breakdown of the replayed step (runtime/forward.h): refused
+     * without a graph; with one, a row per op kind of the model and the sum. */
+    char *txt = NULL;
+    size_t txt_n = 0;
+    FILE *mem = open_memstream(&txt, &txt_n);
+    ck_assert_ptr_nonnull(mem);
+    m3_status bs = m3_forward_graph_breakdown(g.f, 3, mem, &e);
+    fclose(mem);
+    if (!graph) {
+      ck_assert_int_eq(bs, M3_INVAL);
+    } else {
+      ck_assert_msg(bs == M3_OK, "%s", e.msg);
+      static const char *rows[] = {"qkv_proj", "qknorm_rope", "indexer", "attn_sparse", "attn_dense", "o_proj", "moe",
+                                   "lm_head", "sum of ops", "whole step"};
+      for (size_t r = 0; r < sizeof rows / sizeof *rows; r++)
+        ck_assert_msg(strstr(txt, rows[r]), "breakdown lacks a %s row:\n%s", rows[r], txt);
+    }
+    free(txt);
     gpu_close(&g);
   }
   ck_assert_int_eq(memcmp(ta, tb, sizeof ta), 0);

@@ -56,6 +56,8 @@ static void help(void) {
       "  --dump-logits FILE.npy   float32 [steps, batch, vocab]: step 0 = the prompt's last token, then\n"
       "                           one row per generated token\n"
       "  --timing                 per-kernel time breakdown (CUDA events; decode then runs without graphs)\n"
+      "  --graph-breakdown        after the last step, each op's share of the graph-replayed decode step:\n"
+      "                           its launches captured and replayed alone (sums to about the step)\n"
       "  --arch SM                without a GPU: the arch to compile for (default sm_90)\n"
       "  --help\n\n"
       "Prints the generated ids, TTFT (prefill of the whole batch), TPOT (mean decode step), decode tokens/s\n"
@@ -179,12 +181,12 @@ int cmd_run(int argc, char **argv) {
       {"top-p", required_argument, 0, 'P'},          {"chunk", required_argument, 0, 'C'},
       {"no-graph", no_argument, 0, 'G'},             {"timing", no_argument, 0, 't'},
       {"weights", required_argument, 0, 'w'},        {"arch", required_argument, 0, 'A'},
-      {"synthetic-cache", no_argument, 0, 'S'},
+      {"synthetic-cache", no_argument, 0, 'S'},      {"graph-breakdown", no_argument, 0, 'B'},
       {"help", no_argument, 0, 'h'},                 {0, 0, 0, 0}};
   const char *model = NULL, *preset = NULL, *ids_text = NULL, *dump = NULL, *arch = "sm_90";
   int64_t context = 32;
   int max_new = 16, batch = 1, kv8 = 0, ix8 = 0, resident = 0, chunk = 256, graph = 1, timing = 0, weights = -1, c;
-  int synth_cache = 0;
+  int synth_cache = 0, breakdown = 0;
   uint64_t seed = 0;
   float temperature = 0.0f, top_p = 1.0f;
   int64_t iv;
@@ -218,11 +220,17 @@ int cmd_run(int argc, char **argv) {
       case 't': timing = 1; break;
       case 'A': arch = optarg; break;
       case 'S': synth_cache = 1; break;
+      case 'B': breakdown = 1; break;
       case 'h': help(); return 0;
       default: help(); return 2;
     }
   }
   if (model && preset) { fprintf(stderr, "m3kit run: give --model or --preset, not both\n"); return 2; }
+  if (breakdown && (timing || !graph || max_new < 2)) {
+    fprintf(stderr, "m3kit run: --graph-breakdown needs graph-replayed decode steps: not with --timing or --no-graph, "
+                    "and --max-new-tokens >= 2\n");
+    return 2;
+  }
   if (!model && !preset) preset = "tiny";
   if (max_new < 1 || batch < 1 || context < 1 || chunk < 1) {
     fprintf(stderr, "m3kit run: --max-new-tokens, --batch, --context and --chunk must be >= 1\n");
@@ -370,6 +378,11 @@ int cmd_run(int argc, char **argv) {
   if (timing) {
     printf("\ndecode breakdown:\n");
     m3_forward_print_timing(f, stdout);
+  }
+  if (breakdown) {
+    printf("\n");
+    s = m3_forward_graph_breakdown(f, 20, stdout, &e);
+    if (s != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
   }
   if (dump) {
     int64_t shape[3] = {max_new, batch, V};
