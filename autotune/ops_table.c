@@ -6,11 +6,11 @@
 #include "autotune/op.h"
 
 extern const m3_tune_op m3_tune_op_qknorm, m3_tune_op_index_decode, m3_tune_op_index_prefill, m3_tune_op_attn_sparse,
-    m3_tune_op_attn_dense, m3_tune_op_swiglu;
+    m3_tune_op_attn_dense, m3_tune_op_swiglu, m3_tune_op_gemv;
 
 const m3_tune_op *const m3_tune_ops[] = {&m3_tune_op_qknorm,      &m3_tune_op_index_decode, &m3_tune_op_index_prefill,
                                          &m3_tune_op_attn_sparse, &m3_tune_op_attn_dense,   &m3_tune_op_swiglu,
-                                         NULL};
+                                         &m3_tune_op_gemv,        NULL};
 
 const m3_tune_op *m3_tune_op_find(const char *name) {
   for (int i = 0; m3_tune_ops[i]; i++)

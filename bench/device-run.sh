@@ -8,7 +8,7 @@
 # into $OUT/device-run.tar.gz (the device tool returns a few files only) and
 # the one-line results are also in $OUT/summary.txt.
 # Time limits (seconds): T_TEST (each test and sanitizer run, default 280),
-# T_TUNE (480; T_TUNE2 for the second tune), T_BENCH (240), T_RUN (150), T_TPOT (300).  TESTS and SANITIZE
+# T_TUNE (480; T_TUNE2 for the second tune; TUNE_ARGS more tune options, e.g. --only mxfp8), T_BENCH (240), T_RUN (150), T_TPOT (300).  TESTS and SANITIZE
 # narrow the test programs (default: every ./check_*_gpu; the five kernel ones); a SANITIZE entry
 # PROGRAM:CASE sanitizes one test case (CK_RUN_CASE) of it; SAN_TOOLS narrows the tools.
 set -u
@@ -73,7 +73,7 @@ if has tune; then
   for run in 1 2; do
     [ $run = 2 ] && { rm -rf "$M3KIT_CACHE_DIR/tuning"; has tune2 || break; }
     tt=${T_TUNE:-480}; [ $run = 2 ] && tt=${T_TUNE2:-$tt}
-    ( time timeout "$tt" ./m3kit tune --preset minimax-m3 --budget $(( tt - 25 )) ) > "$L/tune-$run.log" 2>&1
+    ( time timeout "$tt" ./m3kit tune --preset minimax-m3 --budget $(( tt - 25 )) ${TUNE_ARGS:-} ) > "$L/tune-$run.log" 2>&1
     log "tune $run rc=$? $(grep -E '^real' "$L/tune-$run.log") at $(elapsed) s"
     mkdir -p "$OUT/tuning-$run" && cp "$M3KIT_CACHE_DIR"/tuning/*.json "$OUT/tuning-$run/" 2>/dev/null
     ./m3kit tune --show > "$L/tune-show-$run.txt" 2>&1
@@ -122,7 +122,7 @@ fi
 if has tpot && [ -f ./tpot_curve.sh ]; then
   # Synthetic caches: the decode step reads the bytes of a long context
   # without the minutes its prefill would take (m3kit run --help).
-  sh ./tpot_curve.sh --budget "${T_TPOT:-300}" ${T_TORCH:+--torch-budget $T_TORCH} --m3kit ./m3kit --out "$OUT/tpot" --breakdown \
+  sh ./tpot_curve.sh --budget "${T_TPOT:-300}" ${TPOT_CONTEXTS:+--contexts $TPOT_CONTEXTS} ${T_TORCH:+--torch-budget $T_TORCH} --m3kit ./m3kit --out "$OUT/tpot" --breakdown \
     --m3kit-args "--synthetic-cache" > "$L/tpot.log" 2>&1
   log "tpot curve rc=$? at $(elapsed) s: $(tail -n 1 "$L/tpot.log")"
 fi
