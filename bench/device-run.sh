@@ -17,6 +17,8 @@ L=$OUT/logs
 mkdir -p "$L"
 export M3KIT_CACHE_DIR=${M3KIT_CACHE_DIR:-/tmp/m3kit-cache}
 export NCCL_NVLS_ENABLE=0
+# The seed tuning DB travels with the binaries (the build's source-tree path does not exist here).
+[ -f ./seed-sm_90.json ] && export M3KIT_SEED_DB=${M3KIT_SEED_DB:-$PWD/seed-sm_90.json}
 what=${*:-all}
 log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 has() { case " $what " in *" $1 "*|*" all "*) return 0;; esac; return 1; }

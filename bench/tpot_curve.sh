@@ -188,7 +188,9 @@ if [ "$torch" = 1 ] && [ -f "$here/baseline_torch.py" ] && "$py" -c 'import torc
   [ "$tb" -gt "$(( $(left) - 60 ))" ] && tb=$(( $(left) - 60 ))
   if [ "$tb" -ge 30 ]; then
     echo "== torch baseline: contexts $contexts, caches $dts, at most $tb s"
-    timeout "$tb" "$py" "$here/baseline_torch.py" --contexts "$contexts" --cache-dtype "$dts" --steps "$steps" \
+    # the same prompt lengths as m3kit's: prompt + steps within max_position_embeddings (1M)
+    tctx=$(for c in $contexts_sp; do [ $(( c + steps + 8 )) -gt 1048576 ] && c=$(( 1048576 - steps - 8 )); printf '%s,' "$c"; done)
+    timeout "$tb" "$py" "$here/baseline_torch.py" --contexts "${tctx%,}" --cache-dtype "$dts" --steps "$steps" \
       --json "$out/tpot-logs/torch.json" > "$tres" 2>&1
     echo "   rc=$? $(grep -c '^RESULT' "$tres") contexts measured ($tres)"
   fi
@@ -209,8 +211,9 @@ run_m3() {  # context cache extra-args log -> rc (log holds the output)
   [ "$t" -lt 30 ] && { echo "skipped: budget spent" > "$log"; return 124; }
   kv=; [ "$k" = e4m3 ] && kv="--kv-dtype e4m3 --index-dtype e4m3"
   # prompt + generated tokens must fit max_position_embeddings (1M): the 1M
-  # point is the prompt that ends there.
-  [ $(( c + steps )) -gt 1048576 ] && c=$(( 1048576 - steps ))
+  # point is a prompt that ends just before it (8 spare: the baseline's
+  # warm-up steps, so that both run the same prompt length).
+  [ $(( c + steps + 8 )) -gt 1048576 ] && c=$(( 1048576 - steps - 8 ))
   # shellcheck disable=SC2086
   echo "\$ $m3kit run --preset minimax-m3 --resident-experts 8 --max-new-tokens $steps --context $c $kv${weights:+ --weights $weights} $x $m3args" > "$log"
   # shellcheck disable=SC2086
