@@ -28,7 +28,10 @@
  *   free-running     - the GPU uses its own selection; logits are asserted
  *                      for as long as every selection equals the reference's.
  * and the GPU indexer's own output must equal the reference's on >= 99% of
- * (layer, head, token) rows with a bf16 index cache, >= 95% with e4m3.
+ * (layer, head, token) rows with a bf16 index cache (97% free-running, where
+ * one differing selection changes every later query), >= 95% with e4m3.
+ * block128_top16_long_context runs the released geometry (128-token blocks,
+ * top-16) over 2400 tokens the same way, on a GPU only.
  * Expert choice has the same chaotic near-ties (sigmoid + bias of 8 random
  * experts, inputs differing by a bf16 rounding), and m3_moe_forward has no
  * routing override, so the comparison config routes every token to all 8
@@ -63,6 +66,14 @@ GPU_TEST_GLOBALS
 static int n_steps(void) { return m3_test_emulated() ? 3 : STEPS; }
 
 static m3_config cfg, cfg4; /* 8 experts: all routed (comparisons) / top-4 (synthetic_model) */
+/* What compare_run and gpu_open run: the small config's prompt of PROMPT
+ * tokens in CHUNK-token steps (default), or the block-128 test's. */
+typedef struct run_shape {
+  const m3_config *c;
+  int prompt_len, chunk, maxpos;
+  const int32_t *prompt;
+} run_shape;
+static run_shape S;
 static fwd_ckpt ck;
 static m3_ref_model *ref;
 static m3_model *gm;
@@ -78,6 +89,7 @@ static void setup(void) {
   ck_assert_msg(m3_model_load(&g_rt, &mo, &gm, &e) == M3_OK, "%s", e.msg);
   m3_rng r = {g_seed ^ 0xabcdull};
   for (int i = 0; i < MAXPOS; i++) prompt[i] = (int32_t)(m3_rng_next(&r) % (uint64_t)cfg.vocab_size);
+  S = (run_shape){.c = &cfg, .prompt_len = PROMPT, .chunk = CHUNK, .maxpos = MAXPOS, .prompt = prompt};
 }
 
 static void teardown(void) {
@@ -96,14 +108,14 @@ typedef struct gpu_run {
 
 static void gpu_open_model(gpu_run *g, const m3_model *m, int kv8, int ix8, int batch, int graph) {
   m3_err e = {0};
-  m3_kv_opts ko = {.kv_e4m3 = kv8, .idx_e4m3 = ix8, .max_seqs = batch, .max_ctx = PROMPT + STEPS + 8};
-  ck_assert_msg(m3_kv_init(&g->kv, &cfg, &ko, &e) == M3_OK, "%s", e.msg);
+  m3_kv_opts ko = {.kv_e4m3 = kv8, .idx_e4m3 = ix8, .max_seqs = batch, .max_ctx = S.prompt_len + STEPS + 8};
+  ck_assert_msg(m3_kv_init(&g->kv, S.c, &ko, &e) == M3_OK, "%s", e.msg);
   m3_fwd_opts fo = m3_fwd_defaults();
   fo.max_batch = batch;
-  fo.max_chunk = CHUNK;
+  fo.max_chunk = S.chunk;
   fo.use_graph = graph;
   ck_assert_msg(m3_forward_create(&g_rt, m, &g->kv, &fo, &g->f, &e) == M3_OK, "%s", e.msg);
-  ck_assert_msg(m3_kv_admit(&g->kv, PROMPT + STEPS + 1, &g->seq, &e) == M3_OK, "%s", e.msg);
+  ck_assert_msg(m3_kv_admit(&g->kv, S.prompt_len + STEPS + 1, &g->seq, &e) == M3_OK, "%s", e.msg);
 }
 
 static void gpu_open(gpu_run *g, int kv8, int ix8, int batch, int graph) { gpu_open_model(g, gm, kv8, ix8, batch, graph); }
@@ -125,9 +137,10 @@ static double margin_top2(const float *x, int64_t n, int *top) {
  * rows compared and rows equal (as sets: both lists are in score order, a
  * near-tie may swap two entries without changing the set). */
 static void sel_agree(const int32_t *a, const int32_t *b, int n, int64_t *rows, int64_t *same) {
-  const int nkv = cfg.num_key_value_heads, K = cfg.sparse_topk_blocks;
-  for (int l = 0; l < cfg.num_hidden_layers; l++) {
-    if (!cfg.is_sparse[l]) continue;
+  const m3_config *c = S.c;
+  const int nkv = c->num_key_value_heads, K = c->sparse_topk_blocks;
+  for (int l = 0; l < c->num_hidden_layers; l++) {
+    if (!c->is_sparse[l]) continue;
     for (int r = 0; r < nkv * n; r++) {
       const int32_t *x = a + ((size_t)l * nkv * n + r) * K, *y = b + ((size_t)l * nkv * n + r) * K;
       int eq = 1;
@@ -150,30 +163,32 @@ static void sel_agree(const int32_t *a, const int32_t *b, int n, int64_t *rows, 
  * Without it (free-running), the logits are checked strictly as long as the
  * GPU's selections equal the reference's; after a flip the run only reports. */
 static void compare_run(const m3_ref_model *rmod, const m3_model *gmod, int kv8, int ix8, int force_sel) {
-  const int V = cfg.vocab_size, L = cfg.num_hidden_layers, nkv = cfg.num_key_value_heads, K = cfg.sparse_topk_blocks;
+  const m3_config *cf = S.c;
+  const int V = cf->vocab_size, L = cf->num_hidden_layers, nkv = cf->num_key_value_heads, K = cf->sparse_topk_blocks;
+  const int PL = S.prompt_len, CH = S.chunk;
   m3_err e = {0};
-  const size_t sel_n = (size_t)L * nkv * CHUNK * K;
-  int32_t *rsel = calloc(sel_n, 4), *gsel = calloc(sel_n, 4);
-  float *lr = malloc(sizeof(float) * V * CHUNK), *lg = malloc(sizeof(float) * V);
+  const size_t sel_n = (size_t)L * nkv * CH * K;
+  int32_t *rsel = calloc(sel_n, 4), *gsel = calloc(sel_n, 4), *zeros = calloc((size_t)CH, 4);
+  float *lr = malloc(sizeof(float) * V * CH), *lg = malloc(sizeof(float) * V);
   m3_ref_state *rs;
-  ck_assert_msg(m3_ref_state_create(rmod, 1, MAXPOS, kv8, ix8, &rs, &e) == M3_OK, "%s", e.msg);
+  ck_assert_msg(m3_ref_state_create(rmod, 1, S.maxpos, kv8, ix8, &rs, &e) == M3_OK, "%s", e.msg);
   rs->sel_out = rsel;
   gpu_run g;
   gpu_open_model(&g, gmod, kv8, ix8, 1, 1);
   m3_forward_debug_selection(g.f, gsel, force_sel ? rsel : NULL);
   int decided = 0, ties = 0, identical = 1, checked = 0;
   int64_t rows = 0, same = 0, dropped = 0;
-  int32_t tok = -1, gtok = -1, zeros[CHUNK] = {0};
+  int32_t tok = -1, gtok = -1;
   const int steps = n_steps();
-  for (int t0 = 0; t0 < PROMPT; t0 += CHUNK) { /* prefill */
-    const int n = PROMPT - t0 < CHUNK ? PROMPT - t0 : CHUNK, last = t0 + n == PROMPT;
-    ck_assert_msg(m3_ref_step(rs, n, zeros, prompt + t0, lr, &e) == M3_OK, "%s", e.msg);
+  for (int t0 = 0; t0 < PL; t0 += CH) { /* prefill */
+    const int n = PL - t0 < CH ? PL - t0 : CH, last = t0 + n == PL;
+    ck_assert_msg(m3_ref_step(rs, n, zeros, S.prompt + t0, lr, &e) == M3_OK, "%s", e.msg);
     dropped += rs->stat_dropped_blocks;
-    m3_status s = m3_forward_prefill(g.f, g.seq, n, prompt + t0, NULL, &gtok, lg, &e);
+    m3_status s = m3_forward_prefill(g.f, g.seq, n, S.prompt + t0, NULL, &gtok, lg, &e);
     ck_assert_msg(s == M3_OK, "prefill [%d, %d): %s", t0, t0 + n, e.msg);
     int64_t r0 = same;
     sel_agree(gsel, rsel, n, &rows, &same);
-    identical &= same - r0 == (int64_t)m3_config_n_sparse_layers(&cfg) * nkv * n;
+    identical &= same - r0 == (int64_t)m3_config_n_sparse_layers(cf) * nkv * n;
     if (last) memmove(lr, lr + (size_t)(n - 1) * V, sizeof(float) * V);
   }
   ck_assert_int_gt(dropped, 0); /* the selection really dropped blocks */
@@ -184,7 +199,7 @@ static void compare_run(const m3_ref_model *rmod, const m3_model *gmod, int kv8,
       ck_assert_msg(s == M3_OK, "decode step %d: %s", step, e.msg);
       int64_t r0 = same;
       sel_agree(gsel, rsel, 1, &rows, &same);
-      identical &= same - r0 == (int64_t)m3_config_n_sparse_layers(&cfg) * nkv;
+      identical &= same - r0 == (int64_t)m3_config_n_sparse_layers(cf) * nkv;
     }
     double rel = fwd_rel_l2(lg, lr, (size_t)V), dmax = fwd_max_abs(lg, lr, (size_t)V);
     int rtop;
@@ -229,6 +244,7 @@ static void compare_run(const m3_ref_model *rmod, const m3_model *gmod, int kv8,
   m3_ref_state_free(rs);
   free(rsel);
   free(gsel);
+  free(zeros);
   free(lr);
   free(lg);
 }
@@ -324,6 +340,54 @@ START_TEST(graph_replay_equals_eager) {
   ck_assert_msg(memcmp(a, b, sizeof(float) * V * STEPS) == 0, "graph replay differs from eager launches");
   free(a);
   free(b);
+}
+END_TEST
+
+/* The model's real sparse geometry, 128-token blocks and top-16, over a
+ * prompt of 2400 tokens: 19 blocks, more than the 16 x 128 = 2048 tokens the
+ * selection keeps, so blocks are dropped at the block size the released model
+ * uses (the small config's 16-token blocks cover the same code at a
+ * different shape).  1 dense + 2 sparse layers, chunks of 256, both index
+ * dtypes, teacher-forced selection.  GPU only: the emulator would take
+ * hours over 2400 tokens. */
+START_TEST(block128_top16_long_context) {
+  if (m3_test_emulated()) {
+    printf("block128_top16_long_context: skipped on the emulator\n");
+    return;
+  }
+  enum { LEN = 2400, MAXP = 4096 };
+  m3_err e = {0};
+  m3_config t, cb;
+  ck_assert_msg(m3_config_preset("tiny", &t, &e) == M3_OK, "%s", e.msg);
+  t.num_hidden_layers = 3;
+  for (int l = 0; l < 3; l++) t.is_sparse[l] = t.is_moe[l] = t.disable_index_value[l] = l >= 1;
+  t.num_experts_per_tok = cfg.num_experts_per_tok; /* all routed: routing cannot flip on a near-tie */
+  t.sparse_block_size = 128;
+  t.sparse_topk_blocks = 16;
+  t.max_position_embeddings = MAXP;
+  char *j = m3_config_to_json(&t);
+  ck_assert_ptr_nonnull(j);
+  ck_assert_msg(m3_config_load_json_text(j, "block-128 test config", &cb, &e) == M3_OK, "%s", e.msg);
+  free(j);
+  fwd_ckpt c128;
+  m3_ref_model *r128;
+  m3_model *g128;
+  ck_assert_msg(fwd_ckpt_make(&cb, 0, g_seed ^ 0x128ull, &c128, &e) == M3_OK, "%s", e.msg);
+  ck_assert_msg(m3_ref_model_load(&cb, c128.k, &r128, &e) == M3_OK, "%s", e.msg);
+  m3_model_opts mo = {.dir = c128.dir};
+  ck_assert_msg(m3_model_load(&g_rt, &mo, &g128, &e) == M3_OK, "%s", e.msg);
+  int32_t *pr = malloc(sizeof *pr * MAXP);
+  m3_rng r = {g_seed ^ 0x128128ull};
+  for (int i = 0; i < MAXP; i++) pr[i] = (int32_t)(m3_rng_next(&r) % (uint64_t)cb.vocab_size);
+  const run_shape saved = S;
+  S = (run_shape){.c = &cb, .prompt_len = LEN, .chunk = 256, .maxpos = MAXP, .prompt = pr};
+  compare_run(r128, g128, 0, 0, 1);
+  compare_run(r128, g128, 0, 1, 1);
+  S = saved;
+  free(pr);
+  m3_model_free(g128);
+  m3_ref_model_free(r128);
+  fwd_ckpt_close(&c128);
 }
 END_TEST
 
@@ -533,6 +597,7 @@ static Suite *make(void) {
   tcase_add_loop_test(t, forward_matches_reference, 0, 3);
   tcase_add_test(t, mxfp8_checkpoint);
   tcase_add_test(t, graph_replay_equals_eager);
+  tcase_add_test(t, block128_top16_long_context);
   tcase_add_test(t, batched_decode);
   tcase_add_test(t, bad_inputs);
   tcase_add_test(t, synthetic_model);
