@@ -9,6 +9,7 @@ int cmd_run(int argc, char **argv);
 int cmd_tune(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_make_checkpoint(int argc, char **argv);
+int cmd_tp_plan(int argc, char **argv);
 
 #include <stdint.h>
 

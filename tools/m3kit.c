@@ -22,6 +22,7 @@ static const command commands[] = {
     {"tune", cmd_tune, "autotune every kernel on this GPU into the tuning DB (once per GPU)"},
     {"bench", cmd_bench, "roofline benchmarks of every kernel against measured ceilings"},
     {"make-checkpoint", cmd_make_checkpoint, "write a random safetensors checkpoint for a config"},
+    {"tp-plan", cmd_tp_plan, "how the model is cut across N GPUs (heads, experts, memory per rank)"},
 };
 
 int cli_fail(const char *cmd, m3_status s, const m3_err *e) {

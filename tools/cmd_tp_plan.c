@@ -1,0 +1,112 @@
+/* cmd_tp_plan.c - `m3kit tp-plan`: how a model is cut across N GPUs of a
+ * tensor-parallel group (runtime/tp_plan.h), what each rank stores, and the
+ * largest context per rank's memory.  No GPU needed: it plans. */
+#include <getopt.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "runtime/config.h"
+#include "runtime/tp_plan.h"
+#include "tools/cli.h"
+
+static void help(void) {
+  printf("usage: m3kit tp-plan [--preset NAME | --model DIR] [--tp N] [--weights bf16|mxfp8] [--gpu-gb G]\n\n"
+         "Prints the tensor-parallel cut of the model over N ranks (default 1, 2, 4 and 8): each rank's query\n"
+         "heads, KV heads (replicated when N exceeds them), intermediate slices of the dense MLP, of every\n"
+         "routed expert and of the shared expert, lm_head rows, its weight bytes, its KV + index-K cache bytes\n"
+         "per token (bf16 and e4m3 caches) and the context that fits G GB per GPU (default 141) after its\n"
+         "weights and 4 GB of workspace.\n"
+         "  --preset NAME   minimax-m3 (default), tiny;  --model DIR reads DIR/config.json\n"
+         "  --weights W     storage of the linear weights (default: mxfp8 for a preset, as m3kit run;\n"
+         "                  with --model the config's: mxfp8 when it has a quantization_config, else bf16)\n"
+         "The multi-GPU forward pass itself (m3kit run --tp) is not in this build.\n");
+}
+
+static void print_plan(const m3_config *c, int tp, double gpu_gb) {
+  m3_err e;
+  m3_tp_rank r0;
+  if (m3_tp_plan(c, tp, 0, &r0, &e) != M3_OK) {
+    printf("tp %d: %s\n", tp, e.msg);
+    return;
+  }
+  const uint64_t kv16 = m3_tp_kv_bytes_per_token(c, tp, 2, 2), kv8 = m3_tp_kv_bytes_per_token(c, tp, 1, 1);
+  printf("tp %d: %d all-reduces a layer; KV + index-K per token and rank %llu B (bf16), %llu B (e4m3)\n", tp,
+         r0.allreduce_per_layer, (unsigned long long)kv16, (unsigned long long)kv8);
+  printf("  %-4s %-9s %-11s %-13s %-13s %-13s %-17s %9s %12s %12s\n", "rank", "q heads", "kv heads", "dense MLP",
+         "expert rows", "shared rows", "lm_head rows", "weights", "ctx bf16", "ctx e4m3");
+  for (int r = 0; r < tp; r++) {
+    m3_tp_rank p;
+    if (m3_tp_plan(c, tp, r, &p, &e) != M3_OK) return;
+    char q[24], kv[24], d[24], x[24], s[24], v[32];
+    snprintf(q, sizeof q, "%d-%d", p.q_head0, p.q_head0 + p.n_q_heads - 1);
+    snprintf(kv, sizeof kv, "%d-%d%s", p.kv_head0, p.kv_head0 + p.n_kv_heads - 1, p.kv_replicas > 1 ? " (rep)" : "");
+    snprintf(d, sizeof d, "%d+%d", p.dense_i0, p.dense_n);
+    snprintf(x, sizeof x, "%d+%d", p.moe_i0, p.moe_n);
+    snprintf(s, sizeof s, "%d+%d", p.shared_i0, p.shared_n);
+    snprintf(v, sizeof v, "%d+%d", p.vocab0, p.vocab_n);
+    const double free_b = gpu_gb * 1e9 - (double)p.weight_bytes - 4e9;
+    const double c16 = free_b > 0 ? free_b / (double)kv16 : 0, c8 = free_b > 0 ? free_b / (double)kv8 : 0;
+    printf("  %-4d %-9s %-11s %-13s %-13s %-13s %-17s %7.1f GB %12.0f %12.0f\n", r, q, kv, d, x, s, v,
+           p.weight_bytes / 1e9, c16, c8);
+  }
+}
+
+int cmd_tp_plan(int argc, char **argv) {
+  static struct option opts[] = {{"preset", required_argument, 0, 'p'}, {"model", required_argument, 0, 'm'},
+                                 {"tp", required_argument, 0, 't'},     {"weights", required_argument, 0, 'w'},
+                                 {"gpu-gb", required_argument, 0, 'g'}, {"help", no_argument, 0, 'h'},
+                                 {0, 0, 0, 0}};
+  const char *preset = NULL, *model = NULL, *weights = NULL;
+  int tp = 0, c;
+  double gpu_gb = 141.0;
+  int64_t iv;
+  optind = 1;
+  while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+    switch (c) {
+      case 'p': preset = optarg; break;
+      case 'm': model = optarg; break;
+      case 't': if (cli_int("tp-plan", "tp", optarg, 1, M3_TP_MAX, &iv)) return 2; tp = (int)iv; break;
+      case 'w':
+        if (strcmp(optarg, "bf16") && strcmp(optarg, "mxfp8")) {
+          fprintf(stderr, "m3kit tp-plan: --weights takes bf16 or mxfp8\n");
+          return 2;
+        }
+        weights = optarg;
+        break;
+      case 'g': if (cli_float("tp-plan", "gpu-gb", optarg, 1, 1e6, &gpu_gb)) return 2; break;
+      case 'h': help(); return 0;
+      default: help(); return 2;
+    }
+  }
+  if (optind < argc) {
+    fprintf(stderr, "m3kit tp-plan: unexpected argument '%s'\n", argv[optind]);
+    return 2;
+  }
+  if (model && preset) {
+    fprintf(stderr, "m3kit tp-plan: give --model or --preset, not both\n");
+    return 2;
+  }
+  m3_config cfg;
+  m3_err e;
+  m3_status s;
+  if (model) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/config.json", model);
+    s = m3_config_load_file(path, &cfg, &e);
+  } else {
+    s = m3_config_preset(preset ? preset : "minimax-m3", &cfg, &e);
+  }
+  if (s != M3_OK) return cli_fail("tp-plan", s, &e);
+  if (!weights && !model) weights = "mxfp8"; /* as m3kit run --preset: the MXFP8 release */
+  if (weights) snprintf(cfg.quant_method, sizeof cfg.quant_method, "%s", strcmp(weights, "mxfp8") ? "" : "mxfp8");
+  printf("%s, %s linear weights, %.0f GB per GPU\n", model ? model : preset ? preset : "minimax-m3",
+         cfg.quant_method[0] ? "MXFP8" : "bf16", gpu_gb);
+  if (tp) {
+    m3_tp_rank r0;
+    if ((s = m3_tp_plan(&cfg, tp, 0, &r0, &e)) != M3_OK) return cli_fail("tp-plan", s, &e);
+    print_plan(&cfg, tp, gpu_gb);
+  } else {
+    for (int t = 1; t <= 8; t *= 2) print_plan(&cfg, t, gpu_gb);
+  }
+  return 0;
+}
