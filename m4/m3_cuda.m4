@@ -23,9 +23,14 @@ AC_DEFUN([M3_CHECK_CUDA], [
     [AC_MSG_ERROR([libcublas not found in $CUDA_LIBDIR])])
   AS_IF([test -f "$CUDA_LIBDIR/libcudart_static.a"], [],
     [AC_MSG_ERROR([libcudart_static.a not found in $CUDA_LIBDIR])])
+  # NCCL (tensor parallelism) is dlopen()ed like the driver (runtime/tp_comm.c):
+  # only its header is needed to build, and m3kit runs where it is absent.
+  AC_CHECK_HEADER([nccl.h], [AC_DEFINE([M3_HAVE_NCCL_H], [1], [nccl.h of the CUDA toolkit found])],
+    [AC_MSG_WARN([nccl.h not found under $CUDA_HOME/include: tensor-parallel communication is left out])])
   LDFLAGS=$save_LDFLAGS; CPPFLAGS=$save_CPPFLAGS; LIBS=$save_LIBS
   CUDA_LIBS="-L$CUDA_LIBDIR -L$CUDA_LIBDIR/stubs -Wl,-rpath,$CUDA_LIBDIR -lnvrtc -lcublas -lcublasLt $CUDA_LIBDIR/libcudart_static.a -lpthread -ldl -lrt"
   NVRTC_LIBS="-L$CUDA_LIBDIR -Wl,-rpath,$CUDA_LIBDIR -lnvrtc -lpthread -ldl -lrt"
   AC_SUBST([CUDA_HOME]) AC_SUBST([CUDA_CPPFLAGS]) AC_SUBST([CUDA_LIBS]) AC_SUBST([NVRTC_LIBS])
   AC_DEFINE_UNQUOTED([M3_CUDA_HOME], ["$CUDA_HOME"], [CUDA toolkit root used at build time])
+  AC_DEFINE_UNQUOTED([M3_CUDA_LIBDIR], ["$CUDA_LIBDIR"], [CUDA toolkit library directory used at build time])
 ])

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "runtime/config.h"
+#include "runtime/tp_comm.h"
 #include "runtime/tp_plan.h"
 #include "tools/cli.h"
 
@@ -19,7 +20,8 @@ static void help(void) {
          "  --preset NAME   minimax-m3 (default), tiny;  --model DIR reads DIR/config.json\n"
          "  --weights W     storage of the linear weights (default: mxfp8 for a preset, as m3kit run;\n"
          "                  with --model the config's: mxfp8 when it has a quantization_config, else bf16)\n"
-         "The multi-GPU forward pass itself (m3kit run --tp) is not in this build.\n");
+         "It also says whether NCCL (runtime/tp_comm.h) loads here.  The multi-GPU forward pass itself\n"
+         "(m3kit run --tp) is not in this build.\n");
 }
 
 static void print_plan(const m3_config *c, int tp, double gpu_gb) {
@@ -101,6 +103,12 @@ int cmd_tp_plan(int argc, char **argv) {
   if (weights) snprintf(cfg.quant_method, sizeof cfg.quant_method, "%s", strcmp(weights, "mxfp8") ? "" : "mxfp8");
   printf("%s, %s linear weights, %.0f GB per GPU\n", model ? model : preset ? preset : "minimax-m3",
          cfg.quant_method[0] ? "MXFP8" : "bf16", gpu_gb);
+  m3_tp_comm comm;
+  m3_err ce;
+  if (m3_tp_comm_load(&comm, &ce) == M3_OK)
+    printf("NCCL %d.%d.%d (%s): loaded\n", comm.version / 10000, comm.version / 100 % 100, comm.version % 100, comm.lib);
+  else
+    printf("NCCL: %s\n", ce.msg);
   if (tp) {
     m3_tp_rank r0;
     if ((s = m3_tp_plan(&cfg, tp, 0, &r0, &e)) != M3_OK) return cli_fail("tp-plan", s, &e);
