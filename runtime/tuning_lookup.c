@@ -26,7 +26,7 @@ static const char *template_hash(void *ctx, const char *name) {
 }
 
 /* The seed DB: $M3KIT_SEED_DB, else the installed copy, else the source tree's. */
-static const char *seed_path(const char *arch, char *buf, size_t n) {
+const char *m3_tuning_seed_path(const char *arch, char *buf, size_t n) {
   const char *env = getenv("M3KIT_SEED_DB");
   if (env && *env) return env;
   const char *dirs[] = {M3_SEED_DIR, M3_SRC_SEED_DIR};
@@ -52,7 +52,7 @@ struct m3_tunedb *m3_tuning_open(const char *cache_root, const m3_device *dev, m
   m3_tunedb_report rep;
   m3_err e;
   memset(&rep, 0, sizeof rep);
-  m3_status s = m3_tunedb_load(db, user, seed_path(dev->arch, seed, sizeof seed), &f, &rep, &e);
+  m3_status s = m3_tunedb_load(db, user, m3_tuning_seed_path(dev->arch, seed, sizeof seed), &f, &rep, &e);
   if (s != M3_OK) m3_warn_once("tuning DB not used (%s); kernels run with their default tiles", e.msg);
   else if (rep.summary[0] && (rep.stale_arch || rep.stale_driver || rep.stale_template || rep.invalid))
     m3_warn_once("%s", rep.summary);

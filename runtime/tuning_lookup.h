@@ -14,6 +14,11 @@
 struct m3_tunedb;
 struct m3_bucket;
 
+/* The seed DB (committed records, tuned on an H200) read under the user's
+ * for `arch`: $M3KIT_SEED_DB, else the installed copy, else the source
+ * tree's; its path in buf, or NULL when there is none. */
+const char *m3_tuning_seed_path(const char *arch, char *buf, size_t n);
+
 /* Never fails: an unreadable or stale DB is reported once and ignored. */
 struct m3_tunedb *m3_tuning_open(const char *cache_root, const m3_device *dev, m3_lua *lua);
 void m3_tuning_close(struct m3_tunedb *db);

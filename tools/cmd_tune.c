@@ -10,6 +10,7 @@
 #include "m3config.h"
 #include "autotune/tune.h"
 #include "cache/store.h"
+#include "runtime/tuning_lookup.h"
 #include "cache/tunedb.h"
 #include "runtime/gpu.h"
 #include "tools/cli.h"
@@ -91,6 +92,23 @@ static int show_or_plot(const char *arch, const char *plot_dir, const char *db_p
     m3_tunedb_print(db, stdout);
   }
   m3_tunedb_free(db);
+  if (!db_path && !plot_dir) { /* where the runtime looks when this DB has no record */
+    char sp[4200];
+    if (m3_tuning_seed_path(arch, sp, sizeof sp)) {
+      m3_tunedb *sd = m3_tunedb_new();
+      m3_tunedb_report sr;
+      memset(&sr, 0, sizeof sr);
+      m3_err se;
+      if (m3_tunedb_load(sd, sp, NULL, NULL, &sr, &se) == M3_OK)
+        printf("seed DB %s: %zu records, used where the DB above has none (m3kit tune --show --db %s lists them)\n",
+               sp, m3_tunedb_count(sd), sp);
+      else
+        printf("seed DB %s: unreadable (%s)\n", sp, se.msg);
+      m3_tunedb_free(sd);
+    } else {
+      printf("no seed DB for %s: untuned kernels use their templates' default tiles\n", arch);
+    }
+  }
   return rc;
 }
 
