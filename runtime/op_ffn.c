@@ -347,6 +347,8 @@ m3_status m3_launch_gemv(const m3_kernel *k, const m3_gemv_args *a, const void *
   M3_TRY(gemv_check(k, a, 0, e));
   if (misaligned(x) || misaligned(w)) return m3_errf(e, M3_INVAL, "gemv: x and w must be 16-byte aligned");
   if (a->wfmt == M3_GEMV_E4M3 && !scale) return m3_errf(e, M3_INVAL, "gemv: MXFP8 weights need their scales");
+  if (a->wfmt == M3_GEMV_E4M3 && ((uintptr_t)scale & 3u))
+    return m3_errf(e, M3_INVAL, "gemv: MXFP8 scales must be 4-byte aligned");
   const int nmax = (int)m3_variant_axis_int(&k->key, "nmax", 1);
   const size_t ysz = a->out_f32 ? 4 : 2;
   const void *none = NULL;
@@ -377,9 +379,9 @@ m3_status m3_launch_gemv_moe_shared(const m3_kernel *k, const m3_gemv_args *a, c
     return m3_errf(e, M3_INVAL, "gemv moe: %" PRId64 " + %" PRId64 " shared pairs > 65535 (grid.y)", a->n, n_shared);
   if (a->xdiv < 1 || a->n_experts < 1) return m3_errf(e, M3_INVAL, "gemv moe: xdiv %d, n_experts %d", a->xdiv, a->n_experts);
   if (a->wfmt == M3_GEMV_E4M3 && !s_tab) return m3_errf(e, M3_INVAL, "gemv moe: MXFP8 experts need a scale table");
-  if (n_shared && (!sw || (a->wfmt == M3_GEMV_E4M3 && !ss) || misaligned(sw)))
-    return m3_errf(e, M3_INVAL, "gemv moe: %" PRId64 " shared pairs need the shared expert's 16-byte aligned weight%s",
-                   n_shared, a->wfmt == M3_GEMV_E4M3 ? " and scales" : "");
+  if (n_shared && (!sw || (a->wfmt == M3_GEMV_E4M3 && (!ss || ((uintptr_t)ss & 3u))) || misaligned(sw)))
+    return m3_errf(e, M3_INVAL, "gemv moe: %" PRId64 " shared pairs need the shared expert's weight (16-byte "
+                   "aligned)%s", n_shared, a->wfmt == M3_GEMV_E4M3 ? " and scales (4-byte aligned)" : "");
   if (misaligned(x)) return m3_errf(e, M3_INVAL, "gemv moe: x must be 16-byte aligned");
   if (!a->n && !n_shared) return M3_OK;
   int n_tab = a->n_experts, xdiv = a->xdiv, routed = (int)a->n, rows = (int)a->rows;

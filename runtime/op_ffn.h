@@ -165,8 +165,9 @@ m3_status m3_gemv_kernel(m3_rt *rt, const m3_gemv_args *a, m3_kernel **k, m3_err
 /* y [n, rows] = x [n, cols] bf16 · Wᵀ, fp32 accumulation (the contract of
  * m3_ref_gemm_bf16 / m3_ref_gemm_w8a16, up to summation order: tests use
  * rel. L2 <= 1e-2).  w [rows, cols] e4m3|bf16|fp32, scale [rows, cols/32]
- * E8M0 for e4m3 (else NULL); y bf16, or fp32 with out_f32.  Non-MoE kernels
- * only.  Errors: M3_INVAL, M3_CUDA. */
+ * E8M0 for e4m3 (else NULL); y bf16, or fp32 with out_f32.  x and w 16-byte
+ * aligned, scale 4-byte aligned (the W8A16 kernel reads 4 scales at a time).
+ * Non-MoE kernels only.  Errors: M3_INVAL, M3_CUDA. */
 m3_status m3_launch_gemv(const m3_kernel *k, const m3_gemv_args *a, const void *x, const void *w,
                          const void *scale, void *y, cudaStream_t stream, m3_err *e);
 
@@ -177,7 +178,8 @@ m3_status m3_launch_linear_gemv(const m3_kernel *k, int64_t n, const void *x, co
 
 /* The MoE GEMV: for each pair p < a->n, y[p] = x[p / xdiv] · W_{ids[p]}ᵀ with
  * W_e = w_tab[e] (+ s_tab[e] scales for e4m3; s_tab NULL for bf16).  w_tab
- * and s_tab are DEVICE arrays of n_experts device pointers.  A pair whose id
+ * and s_tab are DEVICE arrays of n_experts device pointers (weights 16-byte,
+ * scales 4-byte aligned: not checkable here, the caller's duty).  A pair whose id
  * is outside [0, n_experts) is skipped (its y row is not written).
  * Errors: M3_INVAL (n > 65535 pairs), M3_CUDA. */
 m3_status m3_launch_gemv_moe(const m3_kernel *k, const m3_gemv_args *a, const void *x, const void *const *w_tab,
