@@ -17,6 +17,7 @@
 #include "runtime/harness.h"
 #include "tools/cli.h"
 #include "bench/cases_attention.h"
+#include "runtime/config.h"
 #include "bench/cases_ffn.h"
 #include "bench/cases_indexer.h"
 #include "bench/cases_insert.h"
@@ -25,8 +26,10 @@ static void help(void) {
   printf("usage: m3kit bench [--out FILE] [--only NAME] [--preset NAME]\n\n"
          "Measures the copy ceiling, then every kernel family's benchmark cases (median/p20/p80 of\n"
          "event-timed launches over rotating buffers larger than L2), and writes a markdown report.\n"
-         "  --out FILE     report path (default bench/results/h200.md when run on an H200, else stdout)\n"
-         "  --only LIST    families, comma separated: qknorm_rope, insert, indexer, attention, ffn\n");
+         "  --out FILE     report path (default: standard output)\n"
+         "  --only LIST    families, comma separated: qknorm_rope, insert, indexer, attention, ffn\n"
+         "  --preset NAME  the config whose kernels are measured (default minimax-m3)\n"
+         "Environment: M3KIT_BENCH_CASE=TEXT runs only the cases whose name contains TEXT (for a profiler).\n");
 }
 
 /* qk-norm + RoPE (+ insert): every variant of the preset at the tuner's
@@ -127,6 +130,15 @@ int cmd_bench(int argc, char **argv) {
     else if (c == 'p') preset = optarg;
     else if (c == 'h') { help(); return 0; }
     else { help(); return 2; }
+  }
+  if (optind < argc) {
+    fprintf(stderr, "m3kit bench: unexpected argument '%s' (m3kit bench --help)\n", argv[optind]);
+    return 2;
+  }
+  {
+    m3_config pc;
+    m3_err pe;
+    if (m3_config_preset(preset, &pc, &pe) != M3_OK) return cli_fail("bench", pe.code, &pe);
   }
   for (const char *p = only; p && *p; p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL) {
     size_t n = strcspn(p, ","), i = 0;

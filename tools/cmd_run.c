@@ -12,6 +12,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "runtime/config.h"
 #include "runtime/forward.h"
 #include "runtime/harness.h"
 #include "runtime/jit.h"
@@ -187,7 +188,7 @@ int cmd_run(int argc, char **argv) {
   const char *model = NULL, *preset = NULL, *ids_text = NULL, *dump = NULL, *arch = "sm_90";
   int64_t context = 32;
   int max_new = 16, batch = 1, kv8 = 0, ix8 = 0, resident = 0, chunk = 256, graph = 1, timing = 0, weights = -1, c;
-  int synth_cache = 0, breakdown = 0;
+  int synth_cache = 0, breakdown = 0, context_set = 0;
   uint64_t seed = 0;
   float temperature = 0.0f, top_p = 1.0f;
   int64_t iv;
@@ -198,7 +199,7 @@ int cmd_run(int argc, char **argv) {
       case 'm': model = optarg; break;
       case 'p': preset = optarg; break;
       case 'i': ids_text = optarg; break;
-      case 'c': if (cli_int("run", "context", optarg, 1, 1 << 20, &iv)) return 2; context = iv; break;
+      case 'c': if (cli_int("run", "context", optarg, 1, 1 << 20, &iv)) return 2; context = iv; context_set = 1; break;
       case 'n': if (cli_int("run", "max-new-tokens", optarg, 1, 1 << 20, &iv)) return 2; max_new = (int)iv; break;
       case 'b': if (cli_int("run", "batch", optarg, 1, 4096, &iv)) return 2; batch = (int)iv; break;
       case 'k': case 'x': {
@@ -226,7 +227,20 @@ int cmd_run(int argc, char **argv) {
       default: help(); return 2;
     }
   }
+  if (optind < argc) {
+    fprintf(stderr, "m3kit run: unexpected argument '%s' (m3kit run --help)\n", argv[optind]);
+    return 2;
+  }
   if (model && preset) { fprintf(stderr, "m3kit run: give --model or --preset, not both\n"); return 2; }
+  if (ids_text && context_set) {
+    fprintf(stderr, "m3kit run: give --prompt-ids or --context, not both (the prompt's length is its context)\n");
+    return 2;
+  }
+  if (model && (resident || weights >= 0)) {
+    fprintf(stderr, "m3kit run: --resident-experts and --weights shape the synthetic weights of a --preset; a "
+                    "--model checkpoint brings its own\n");
+    return 2;
+  }
   if (breakdown && (timing || !graph || max_new < 2)) {
     fprintf(stderr, "m3kit run: --graph-breakdown needs graph-replayed decode steps: not with --timing or --no-graph, "
                     "and --max-new-tokens >= 2\n");
@@ -244,6 +258,52 @@ int cmd_run(int argc, char **argv) {
   if (ids_text && parse_ids(ids_text, &prompt1, &plen) != 0) {
     fprintf(stderr, "m3kit run: --prompt-ids wants comma-separated integers, got '%s'\n", ids_text);
     return 2;
+  }
+  {
+    /* What the config bounds (ids, context, resident experts), checked here
+     * too so that a machine without a GPU reports the same mistakes. */
+    m3_config cc;
+    m3_err ce = {0};
+    m3_status cs;
+    if (model) {
+      char path[4200];
+      snprintf(path, sizeof path, "%s/config.json", model);
+      cs = m3_config_load_file(path, &cc, &ce);
+    } else {
+      cs = m3_config_preset(preset, &cc, &ce);
+    }
+    if (cs != M3_OK) {
+      free(prompt1);
+      return cli_fail("run", cs, &ce);
+    }
+    for (int i = 0; prompt1 && i < plen; i++)
+      if (prompt1[i] < 0 || prompt1[i] >= cc.vocab_size) {
+        fprintf(stderr, "m3kit run: --prompt-ids: token %d (position %d) is outside the vocabulary [0, %d)\n",
+                prompt1[i], i, cc.vocab_size);
+        free(prompt1);
+        return 2;
+      }
+    if ((int64_t)plen + max_new > cc.max_position_embeddings) {
+      fprintf(stderr, "m3kit run: a prompt of %d tokens + %d new ones exceeds max_position_embeddings %d\n", plen,
+              max_new, cc.max_position_embeddings);
+      free(prompt1);
+      return 2;
+    }
+    if (resident > cc.num_local_experts) {
+      fprintf(stderr, "m3kit run: --resident-experts %d: the model has %d experts a layer\n", resident,
+              cc.num_local_experts);
+      free(prompt1);
+      return 2;
+    }
+  }
+  if (dump) { /* writable before the run, not after it */
+    FILE *df = fopen(dump, "wb");
+    if (!df) {
+      fprintf(stderr, "m3kit run: --dump-logits %s: cannot write it\n", dump);
+      free(prompt1);
+      return 2;
+    }
+    fclose(df);
   }
   if (m3_gpu_count() == 0) {
     free(prompt1);

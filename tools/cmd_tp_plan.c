@@ -12,14 +12,16 @@
 
 static void help(void) {
   printf("usage: m3kit tp-plan [--preset NAME | --model DIR] [--tp N] [--weights bf16|mxfp8] [--gpu-gb G]\n\n"
-         "Prints the tensor-parallel cut of the model over N ranks (default 1, 2, 4 and 8): each rank's query\n"
-         "heads, KV heads (replicated when N exceeds them), intermediate slices of the dense MLP, of every\n"
-         "routed expert and of the shared expert, lm_head rows, its weight bytes, its KV + index-K cache bytes\n"
-         "per token (bf16 and e4m3 caches) and the context that fits G GB per GPU (default 141) after its\n"
-         "weights and 4 GB of workspace.\n"
+         "Prints the tensor-parallel cut of the model over N ranks: each rank's query heads, KV heads\n"
+         "(replicated when N exceeds them), intermediate slices of the dense MLP, of every routed expert and\n"
+         "of the shared expert, lm_head rows, its weight bytes, its KV + index-K cache bytes per token (bf16\n"
+         "and e4m3 caches) and the context that fits G GB per GPU after its weights and 4 GB of workspace\n"
+         "(at most max_position_embeddings: such rows say so).\n"
          "  --preset NAME   minimax-m3 (default), tiny;  --model DIR reads DIR/config.json\n"
-         "  --weights W     storage of the linear weights (default: mxfp8 for a preset, as m3kit run;\n"
-         "                  with --model the config's: mxfp8 when it has a quantization_config, else bf16)\n"
+         "  --tp N          ranks (1..64; default: the plans for 1, 2, 4 and 8)\n"
+         "  --weights W     storage of the linear weights (default as m3kit run: MXFP8 for models with\n"
+         "                  hidden_size >= 4096, else bf16; with --model, the config's quantization_config)\n"
+         "  --gpu-gb G      memory per GPU in 1e9 bytes (default 141)\n"
          "It also says whether NCCL (runtime/tp_comm.h) loads here.  The multi-GPU forward pass itself\n"
          "(m3kit run --tp) is not in this build.\n");
 }
@@ -34,7 +36,7 @@ static void print_plan(const m3_config *c, int tp, double gpu_gb) {
   const uint64_t kv16 = m3_tp_kv_bytes_per_token(c, tp, 2, 2), kv8 = m3_tp_kv_bytes_per_token(c, tp, 1, 1);
   printf("tp %d: %d all-reduces a layer; KV + index-K per token and rank %llu B (bf16), %llu B (e4m3)\n", tp,
          r0.allreduce_per_layer, (unsigned long long)kv16, (unsigned long long)kv8);
-  printf("  %-4s %-9s %-11s %-13s %-13s %-13s %-17s %9s %12s %12s\n", "rank", "q heads", "kv heads", "dense MLP",
+  printf("  %-4s %-9s %-11s %-13s %-13s %-13s %-17s %9s %13s %13s\n", "rank", "q heads", "kv heads", "dense MLP",
          "expert rows", "shared rows", "lm_head rows", "weights", "ctx bf16", "ctx e4m3");
   for (int r = 0; r < tp; r++) {
     m3_tp_rank p;
@@ -46,10 +48,13 @@ static void print_plan(const m3_config *c, int tp, double gpu_gb) {
     snprintf(x, sizeof x, "%d+%d", p.moe_i0, p.moe_n);
     snprintf(s, sizeof s, "%d+%d", p.shared_i0, p.shared_n);
     snprintf(v, sizeof v, "%d+%d", p.vocab0, p.vocab_n);
-    const double free_b = gpu_gb * 1e9 - (double)p.weight_bytes - 4e9;
-    const double c16 = free_b > 0 ? free_b / (double)kv16 : 0, c8 = free_b > 0 ? free_b / (double)kv8 : 0;
-    printf("  %-4d %-9s %-11s %-13s %-13s %-13s %-17s %7.1f GB %12.0f %12.0f\n", r, q, kv, d, x, s, v,
-           p.weight_bytes / 1e9, c16, c8);
+    const double free_b = gpu_gb * 1e9 - (double)p.weight_bytes - 4e9, mp = c->max_position_embeddings;
+    double c16 = free_b > 0 ? free_b / (double)kv16 : 0, c8 = free_b > 0 ? free_b / (double)kv8 : 0;
+    char t16[24], t8[24];
+    snprintf(t16, sizeof t16, c16 >= mp ? "%.0f (max)" : "%.0f", c16 >= mp ? mp : c16);
+    snprintf(t8, sizeof t8, c8 >= mp ? "%.0f (max)" : "%.0f", c8 >= mp ? mp : c8);
+    printf("  %-4d %-9s %-11s %-13s %-13s %-13s %-17s %7.1f GB %13s %13s\n", r, q, kv, d, x, s, v,
+           p.weight_bytes / 1e9, t16, t8);
   }
 }
 
@@ -99,9 +104,13 @@ int cmd_tp_plan(int argc, char **argv) {
     s = m3_config_preset(preset ? preset : "minimax-m3", &cfg, &e);
   }
   if (s != M3_OK) return cli_fail("tp-plan", s, &e);
-  if (!weights && !model) weights = "mxfp8"; /* as m3kit run --preset: the MXFP8 release */
+  if (!weights && !model) weights = cfg.hidden_size >= 4096 ? "mxfp8" : "bf16"; /* m3kit run's rule (model.c) */
+  if (tp) {
+    m3_tp_rank r0;
+    if ((s = m3_tp_plan(&cfg, tp, 0, &r0, &e)) != M3_OK) return cli_fail("tp-plan", s, &e);
+  }
   if (weights) snprintf(cfg.quant_method, sizeof cfg.quant_method, "%s", strcmp(weights, "mxfp8") ? "" : "mxfp8");
-  printf("%s, %s linear weights, %.0f GB per GPU\n", model ? model : preset ? preset : "minimax-m3",
+  printf("%s, %s linear weights, %g GB per GPU\n", model ? model : preset ? preset : "minimax-m3",
          cfg.quant_method[0] ? "MXFP8" : "bf16", gpu_gb);
   m3_tp_comm comm;
   m3_err ce;
@@ -110,8 +119,6 @@ int cmd_tp_plan(int argc, char **argv) {
   else
     printf("NCCL: %s\n", ce.msg);
   if (tp) {
-    m3_tp_rank r0;
-    if ((s = m3_tp_plan(&cfg, tp, 0, &r0, &e)) != M3_OK) return cli_fail("tp-plan", s, &e);
     print_plan(&cfg, tp, gpu_gb);
   } else {
     for (int t = 1; t <= 8; t *= 2) print_plan(&cfg, t, gpu_gb);

@@ -93,13 +93,16 @@ static int show_or_plot(const char *arch, const char *plot_dir, const char *db_p
   }
   m3_tunedb_free(db);
   if (!db_path && !plot_dir) { /* where the runtime looks when this DB has no record */
-    char sp[4200];
-    if (m3_tuning_seed_path(arch, sp, sizeof sp)) {
+    char spb[4200];
+    const char *sp = m3_tuning_seed_path(arch, spb, sizeof spb);
+    if (sp) {
       m3_tunedb *sd = m3_tunedb_new();
       m3_tunedb_report sr;
       memset(&sr, 0, sizeof sr);
       m3_err se;
-      if (m3_tunedb_load(sd, sp, NULL, NULL, &sr, &se) == M3_OK)
+      m3_status ss = access(sp, R_OK) == 0 ? m3_tunedb_load(sd, sp, NULL, NULL, &sr, &se)
+                                            : m3_errf(&se, M3_NOTFOUND, "cannot read it");
+      if (ss == M3_OK)
         printf("seed DB %s: %zu records, used where the DB above has none (m3kit tune --show --db %s lists them)\n",
                sp, m3_tunedb_count(sd), sp);
       else
@@ -135,7 +138,12 @@ int cmd_tune(int argc, char **argv) {
       case 'm': o.model_dir = optarg; break;
       case 'o': o.only = optarg; break;
       case 's': o.shapes = optarg; break;
-      case 'b': o.budget_s = atof(optarg); break;
+      case 'b': {
+        double v;
+        if (cli_float("tune", "budget", optarg, 0, 1e9, &v)) return 2;
+        o.budget_s = v;
+        break;
+      }
       case 'r': {
         int64_t v;
         if (cli_int("tune", "reps", optarg, 20, 100000, &v)) return 2;
@@ -145,10 +153,20 @@ int cmd_tune(int argc, char **argv) {
       case 'd': o.db_path = optarg; break;
       case 'S': show = 1; break;
       case 'P': plot = optarg; break;
-      case 'a': arch = optarg; break;
+      case 'a':
+        if (!m3_arch_valid(optarg)) {
+          fprintf(stderr, "m3kit tune: --arch wants an SM arch such as sm_90 or sm_90a, got '%s'\n", optarg);
+          return 2;
+        }
+        arch = optarg;
+        break;
       case 'h': help(); return 0;
       default: help(); return 2;
     }
+  }
+  if (optind < argc) {
+    fprintf(stderr, "m3kit tune: unexpected argument '%s' (m3kit tune --help)\n", argv[optind]);
+    return 2;
   }
   if (show || plot) {
     m3_device d;
