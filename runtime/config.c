@@ -611,6 +611,13 @@ static char *dump(const m3_config *c, int vl) {
 char *m3_config_to_json(const m3_config *c) { return dump(c, c->is_vl); }
 char *m3_config_to_json_vl(const m3_config *c) { return dump(c, 1); }
 
+m3_status m3_config_for(const char *preset, const char *model_dir, m3_config *c, m3_err *e) {
+  if (!model_dir) return m3_config_preset(preset, c, e);
+  char path[4200];
+  snprintf(path, sizeof path, "%s/config.json", model_dir);
+  return m3_config_load_file(path, c, e);
+}
+
 /* ---- derived sizes ----------------------------------------------------------- */
 
 int m3_config_q_width(const m3_config *c) { return c->num_attention_heads * c->head_dim; }

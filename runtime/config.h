@@ -113,6 +113,10 @@ m3_status m3_config_load_json_text(const char *text, const char *name_for_errors
  * Errors: M3_NOTFOUND naming the preset and listing the known ones. */
 m3_status m3_config_preset(const char *name, m3_config *c, m3_err *e);
 
+/* A checkpoint directory's DIR/config.json when model_dir is given, else the
+ * preset `preset`.  Errors: those of m3_config_load_file / m3_config_preset. */
+m3_status m3_config_for(const char *preset, const char *model_dir, m3_config *c, m3_err *e);
+
 /* NULL-terminated list of preset names, in build order. */
 const char *const *m3_config_preset_names(void);
 

@@ -264,14 +264,7 @@ int cmd_run(int argc, char **argv) {
      * too so that a machine without a GPU reports the same mistakes. */
     m3_config cc;
     m3_err ce = {0};
-    m3_status cs;
-    if (model) {
-      char path[4200];
-      snprintf(path, sizeof path, "%s/config.json", model);
-      cs = m3_config_load_file(path, &cc, &ce);
-    } else {
-      cs = m3_config_preset(preset, &cc, &ce);
-    }
+    m3_status cs = m3_config_for(preset, model, &cc, &ce);
     if (cs != M3_OK) {
       free(prompt1);
       return cli_fail("run", cs, &ce);

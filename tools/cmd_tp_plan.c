@@ -95,14 +95,7 @@ int cmd_tp_plan(int argc, char **argv) {
   }
   m3_config cfg;
   m3_err e;
-  m3_status s;
-  if (model) {
-    char path[4200];
-    snprintf(path, sizeof path, "%s/config.json", model);
-    s = m3_config_load_file(path, &cfg, &e);
-  } else {
-    s = m3_config_preset(preset ? preset : "minimax-m3", &cfg, &e);
-  }
+  m3_status s = m3_config_for(preset ? preset : "minimax-m3", model, &cfg, &e);
   if (s != M3_OK) return cli_fail("tp-plan", s, &e);
   if (!weights && !model) weights = cfg.hidden_size >= 4096 ? "mxfp8" : "bf16"; /* m3kit run's rule (model.c) */
   if (tp) {
