@@ -17,6 +17,7 @@
 #include "runtime/op_attention.h"
 #include "runtime/op_ffn.h"
 #include "runtime/op_indexer.h"
+#include "runtime/harness.h"
 #include "runtime/ops.h"
 
 #define MAX_OPS 64        /* distinct op names in the timing table */
@@ -885,35 +886,22 @@ void m3_forward_print_timing(const m3_forward *fc, FILE *out) {
 
 /* ---- graph breakdown: each op's launches replayed as a graph of their own -- */
 
-/* Median ms of `reps` replays of exec (after 3 unrecorded ones). */
+/* One replay of a captured step, for m3_time_events. */
+typedef struct replay_arg { cudaGraphExec_t exec; cudaStream_t s; } replay_arg;
+static m3_status replay_once(void *arg, int rep, m3_err *e) {
+  (void)rep;
+  const replay_arg *r = arg;
+  M3_CUDA(e, cudaGraphLaunch(r->exec, r->s));
+  return M3_OK;
+}
+
+/* Median ms of `reps` event-timed replays of exec (after 3 untimed ones). */
 static m3_status replay_ms(m3_forward *f, cudaGraphExec_t exec, int reps, double *ms, m3_err *e) {
-  cudaEvent_t a, b;
-  M3_CUDA(e, cudaEventCreate(&a));
-  M3_CUDA(e, cudaEventCreate(&b));
-  double *t = malloc(sizeof *t * (size_t)reps);
-  m3_status s = t ? M3_OK : m3_errf(e, M3_NOMEM, "graph breakdown");
-  for (int i = -3; i < reps && s == M3_OK; i++) {
-    float x = 0;
-    cudaError_t ce = cudaEventRecord(a, f->s);
-    if (ce == cudaSuccess) ce = cudaGraphLaunch(exec, f->s);
-    if (ce == cudaSuccess) ce = cudaEventRecord(b, f->s);
-    if (ce == cudaSuccess) ce = cudaEventSynchronize(b);
-    if (ce == cudaSuccess) ce = cudaEventElapsedTime(&x, a, b);
-    if (ce != cudaSuccess) s = m3_cuda_fail(e, ce, "graph breakdown replay", __FILE__, __LINE__);
-    else if (i >= 0) t[i] = x;
-  }
-  if (s == M3_OK) {
-    for (int i = 1; i < reps; i++) /* insertion sort: reps is small */
-      for (int j = i; j > 0 && t[j - 1] > t[j]; j--) {
-        double x = t[j];
-        t[j] = t[j - 1], t[j - 1] = x;
-      }
-    *ms = t[reps / 2];
-  }
-  free(t);
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return s;
+  replay_arg a = {exec, f->s};
+  m3_timing t;
+  M3_TRY(m3_time_events(replay_once, &a, f->s, 3, reps, &t, e));
+  *ms = t.median_us / 1e3;
+  return M3_OK;
 }
 
 m3_status m3_forward_graph_breakdown(m3_forward *f, int reps, FILE *out, m3_err *e) {
