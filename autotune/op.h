@@ -14,10 +14,12 @@ typedef struct m3_tune_op {
   const char *unit;          /* "GB/s" (bandwidth-bound) or "TFLOP/s" */
   /* The buckets the runtime launches variant v at, for config c (<= max). */
   int (*buckets)(const m3_config *c, const m3_variant *v, m3_bucket *out, int max);
-  /* Inputs for (v, b) from `seed`, several rotating sets so that timed runs
-   * stream from HBM, not L2; the reference output of set 0.  *st owned by the
-   * adapter until teardown.  Errors: M3_CUDA, M3_NOMEM, M3_CAPACITY. */
-  m3_status (*setup)(m3_rt *rt, const m3_variant *v, const m3_bucket *b, uint64_t seed, void **st, m3_err *e);
+  /* Inputs for (v, b) of config c from `seed`, several rotating sets so that
+   * timed runs stream from HBM, not L2; the reference output of set 0.  *st
+   * owned by the adapter until teardown.  Errors: M3_CUDA, M3_NOMEM,
+   * M3_CAPACITY. */
+  m3_status (*setup)(m3_rt *rt, const m3_config *c, const m3_variant *v, const m3_bucket *b, uint64_t seed,
+                     void **st, m3_err *e);
   /* Untimed, before each launch: restore mutated inputs of set `rep`, poison
    * its outputs.  Errors: M3_CUDA. */
   m3_status (*prepare)(void *st, int rep, m3_err *e);

@@ -5,8 +5,8 @@
  * (token, expert) pairs for the MoE GEMV), so the buckets are batch-1
  * decode: tokens 1, and 4 pairs for the MoE GEMVs (top-4).  A key does not
  * carry the weight's row count, so each key is timed at the rows of its main
- * use in the configuration being tuned (buckets() notes them; setup() reads
- * them back): in_features = hidden -> the fused qkv(+index) projection,
+ * use in the configuration being tuned (main_use()): in_features = hidden ->
+ * the fused qkv(+index) projection,
  * the o_proj / dense MLP / shared expert inputs -> hidden rows, the MoE
  * gate|up (2 x intermediate rows) and down (hidden rows) with the shared
  * expert as the fifth pair, as the decode step launches them.
@@ -26,28 +26,22 @@
 
 #define PAIRS 4          /* MoE bucket: top-4 routed pairs of one token (+ the shared expert's) */
 #define EXPERTS 8        /* distinct experts per rotating set */
-#define MAX_SHAPES 16
 
-/* (cols, moe) -> rows of the main use and the MoE GEMV's xdiv, noted by
- * buckets() for setup(). */
-static struct { int64_t cols; int moe; int64_t rows; int xdiv; } g_rows[MAX_SHAPES];
-static int g_nrows;
-
-static void note_rows(int64_t cols, int moe, int64_t rows, int xdiv) {
-  int i = 0;
-  while (i < g_nrows && !(g_rows[i].cols == cols && g_rows[i].moe == moe)) i++;
-  if (i == MAX_SHAPES) return;
-  if (i == g_nrows) g_nrows++;
-  g_rows[i].cols = cols, g_rows[i].moe = moe, g_rows[i].rows = rows, g_rows[i].xdiv = xdiv;
-}
-
-static int64_t rows_of(int64_t cols, int moe, int *xdiv) {
-  for (int i = 0; i < g_nrows; i++)
-    if (g_rows[i].cols == cols && g_rows[i].moe == moe) {
-      *xdiv = g_rows[i].xdiv;
-      return g_rows[i].rows;
-    }
-  return 0;
+/* Rows of the main use of a GEMV key in config c, and the MoE GEMV's xdiv
+ * (gate|up reads the token's row, down each pair's); 0 rows: not a key the
+ * adapter tunes. */
+static int64_t main_use(const m3_config *c, const m3_variant *v, int *xdiv) {
+  const char *op = m3_variant_axis(v, "op"), *w = m3_variant_axis(v, "w");
+  *xdiv = 1;
+  if (!op || !w || strcmp(op, "gemv") || strcmp(w, "e4m3") || m3_variant_axis_int(v, "nmax", 0) != 1) return 0;
+  const int64_t cols = m3_variant_axis_int(v, "cols", 0), moe = m3_variant_axis_int(v, "moe", 0);
+  int sparse = 0;
+  for (int l = 0; l < c->num_hidden_layers; l++) sparse |= c->is_sparse[l] ? 1 : 0;
+  int first = 0; /* a layer of the most common kind: its qkv width */
+  while (first < c->num_hidden_layers - 1 && (c->is_sparse[first] ? 1 : 0) != sparse) first++;
+  const int64_t H = c->hidden_size;
+  if (moe && cols == H) *xdiv = PAIRS;
+  return moe ? (cols == H ? 2 * (int64_t)c->intermediate_size : H) : (cols == H ? m3_config_qkv_width(c, first) : H);
 }
 
 typedef struct {
@@ -65,19 +59,10 @@ typedef struct {
 } gv_state;
 
 static int buckets(const m3_config *c, const m3_variant *v, m3_bucket *out, int max) {
-  const char *op = m3_variant_axis(v, "op"), *w = m3_variant_axis(v, "w");
-  if (!op || !w || strcmp(op, "gemv") || strcmp(w, "e4m3") || m3_variant_axis_int(v, "nmax", 0) != 1) return 0;
-  const int64_t cols = m3_variant_axis_int(v, "cols", 0), moe = m3_variant_axis_int(v, "moe", 0);
-  int sparse = 0;
-  for (int l = 0; l < c->num_hidden_layers; l++) sparse |= c->is_sparse[l] ? 1 : 0;
-  int first = 0; /* a layer of the most common kind: its qkv width */
-  while (first < c->num_hidden_layers - 1 && (c->is_sparse[first] ? 1 : 0) != sparse) first++;
-  const int64_t H = c->hidden_size, qkv = m3_config_qkv_width(c, first);
-  const int64_t rows = moe ? (cols == H ? 2 * (int64_t)c->intermediate_size : H) : (cols == H ? qkv : H);
-  if (rows < 1) return 0;
-  note_rows(cols, (int)moe, rows, moe && cols == H ? PAIRS : 1);
+  int xdiv;
+  if (main_use(c, v, &xdiv) < 1) return 0;
   static const char *const names[2] = {"tokens", NULL};
-  const int64_t t[1][2] = {{moe ? PAIRS : 1, 0}};
+  const int64_t t[1][2] = {{m3_variant_axis_int(v, "moe", 0) ? PAIRS : 1, 0}};
   return m3_tune_bucket_list(names, t, 1, out, max);
 }
 
@@ -101,16 +86,17 @@ static void fill_mxfp8(m3_rng *r, uint8_t *q, uint8_t *sc, size_t n) {
   for (size_t i = 0; i < n / 32; i++) sc[i] = (uint8_t)(118 + m3_rng_next(r) % 4);
 }
 
-static m3_status setup(m3_rt *rt, const m3_variant *v, const m3_bucket *b, uint64_t seed, void **out, m3_err *e) {
+static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, const m3_bucket *b, uint64_t seed,
+                      void **out, m3_err *e) {
   gv_state *s = calloc(1, sizeof *s);
   if (!s) return m3_errf(e, M3_NOMEM, "tune state");
   *out = s;
   s->rt = rt;
   s->cols = m3_variant_axis_int(v, "cols", 0);
   s->moe = (int)m3_variant_axis_int(v, "moe", 0);
-  s->rows = rows_of(s->cols, s->moe, &s->xdiv);
+  s->rows = main_use(cfg, v, &s->xdiv);
   if (s->rows < 1 || s->cols < 32 || m3_bucket_get(b, "tokens") < 1)
-    return m3_errf(e, M3_KEY, "gemv tune: no row count noted for cols %lld (buckets() first)", (long long)s->cols);
+    return m3_errf(e, M3_KEY, "gemv tune: not a W8A16 decode GEMV key / bucket");
   const int xdiv = s->xdiv; /* gate|up reads the token, down the pairs' activations */
   s->nx = s->moe ? (xdiv == 1 ? PAIRS + 1 : 1) : 1;
   s->ny = s->moe ? PAIRS + 1 : 1;

@@ -185,11 +185,15 @@ static m3_status setup_kind(m3_rt *rt, const m3_variant *v, const m3_bucket *b, 
   return st;
 }
 
-static m3_status setup_decode(m3_rt *rt, const m3_variant *v, const m3_bucket *b, uint64_t seed, void **st, m3_err *e) {
+static m3_status setup_decode(m3_rt *rt, const m3_config *cfg, const m3_variant *v, const m3_bucket *b,
+                               uint64_t seed, void **st, m3_err *e) {
+  (void)cfg;
   return setup_kind(rt, v, b, seed, DECODE, st, e);
 }
 
-static m3_status setup_prefill(m3_rt *rt, const m3_variant *v, const m3_bucket *b, uint64_t seed, void **st, m3_err *e) {
+static m3_status setup_prefill(m3_rt *rt, const m3_config *cfg, const m3_variant *v, const m3_bucket *b,
+                               uint64_t seed, void **st, m3_err *e) {
+  (void)cfg;
   const char *stage = m3_variant_axis(v, "stage");
   return setup_kind(rt, v, b, seed, stage && !strcmp(stage, "topk") ? TOPK : SCORE, st, e);
 }

@@ -43,7 +43,9 @@ static void teardown(void *x) {
   free(s);
 }
 
-static m3_status setup(m3_rt *rt, const m3_variant *v, const m3_bucket *b, uint64_t seed, void **out, m3_err *e) {
+static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, const m3_bucket *b, uint64_t seed,
+                      void **out, m3_err *e) {
+  (void)cfg; /* the key carries every shape */
   sw_state *s = calloc(1, sizeof *s);
   if (!s) return m3_errf(e, M3_NOMEM, "tune state");
   *out = s;

@@ -216,13 +216,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
   memset(res, 0, sizeof *res);
   double t_start = now_s();
   m3_config cfg;
-  if (o->model_dir) {
-    char p[4200];
-    snprintf(p, sizeof p, "%s/config.json", o->model_dir);
-    M3_TRY(m3_config_load_file(p, &cfg, e));
-  } else {
-    M3_TRY(m3_config_preset(o->preset ? o->preset : "minimax-m3", &cfg, e));
-  }
+  M3_TRY(m3_config_for(o->preset ? o->preset : "minimax-m3", o->model_dir, &cfg, e));
   m3_dims dims;
   m3_model_dims(&cfg, &dims);
   int reps = o->reps >= 20 ? o->reps : 20, warmup = o->warmup >= 2 ? o->warmup : 3;
@@ -363,7 +357,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
     }
     void *st = NULL;
     m3_err se;
-    m3_status ss = j->op->setup(rt, &j->key, &j->bucket, 0x6d336b6974ULL + (uint64_t)ji, &st, &se);
+    m3_status ss = j->op->setup(rt, &cfg, &j->key, &j->bucket, 0x6d336b6974ULL + (uint64_t)ji, &st, &se);
     m3_tune_candidate *cs = calloc((size_t)j->n_cand, sizeof *cs);
     char (*tiles)[128] = calloc((size_t)j->n_cand, sizeof *tiles);
     char (*reasons)[512] = calloc((size_t)j->n_cand, sizeof *reasons);
