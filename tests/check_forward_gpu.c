@@ -79,7 +79,12 @@ static m3_ref_model *ref;
 static m3_model *gm;
 static int32_t prompt[MAXPOS];
 
+static void teardown(void);
+/* Once per process, however many TCases run: the checkpoint, its reference
+ * load and the GPU model are shared by every case. */
 static void setup(void) {
+  if (gm) return;
+  atexit(teardown);
   m3_err e = {0};
   ck_assert_msg(fwd_small_config(&cfg, 4, 1, MAXPOS, 8, &e) == M3_OK, "%s", e.msg);
   ck_assert_msg(fwd_small_config(&cfg4, 4, 1, MAXPOS, 4, &e) == M3_OK, "%s", e.msg);
@@ -588,22 +593,30 @@ START_TEST(synthetic_cache_decode) {
 }
 END_TEST
 
+/* One TCase per test (same fixture), so that CK_RUN_CASE runs one of them:
+ * compute-sanitizer's racecheck and initcheck of the whole file exceed a
+ * device call, one case per process fits (bench/device-run.sh FORWARD_CASES). */
+static void add(Suite *s, const char *name, const TTest *test, int loops) {
+  TCase *t = tcase_create(name);
+  tcase_add_unchecked_fixture(t, setup, NULL);
+  tcase_set_timeout(t, m3_test_emulated() ? 3600 : 600);
+  if (loops) tcase_add_loop_test(t, test, 0, loops);
+  else tcase_add_test(t, test);
+  suite_add_tcase(s, t);
+}
+
 static Suite *make(void) {
   Suite *s = suite_create("forward_gpu");
-  TCase *t = tcase_create("forward");
-  tcase_add_unchecked_fixture(t, setup, teardown);
-  tcase_set_timeout(t, m3_test_emulated() ? 3600 : 600);
-  tcase_add_test(t, fused_weights_match_reference);
-  tcase_add_loop_test(t, forward_matches_reference, 0, 3);
-  tcase_add_test(t, mxfp8_checkpoint);
-  tcase_add_test(t, graph_replay_equals_eager);
-  tcase_add_test(t, block128_top16_long_context);
-  tcase_add_test(t, batched_decode);
-  tcase_add_test(t, bad_inputs);
-  tcase_add_test(t, synthetic_model);
-  tcase_add_test(t, numerics_check_names_layer);
-  tcase_add_test(t, synthetic_cache_decode);
-  suite_add_tcase(s, t);
+  add(s, "fused_weights", fused_weights_match_reference, 0);
+  add(s, "reference", forward_matches_reference, 3);
+  add(s, "mxfp8", mxfp8_checkpoint, 0);
+  add(s, "graph", graph_replay_equals_eager, 0);
+  add(s, "block128", block128_top16_long_context, 0);
+  add(s, "batched", batched_decode, 0);
+  add(s, "bad_inputs", bad_inputs, 0);
+  add(s, "synthetic_model", synthetic_model, 0);
+  add(s, "numerics", numerics_check_names_layer, 0);
+  add(s, "synthetic_cache", synthetic_cache_decode, 0);
   return s;
 }
 
