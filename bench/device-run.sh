@@ -10,7 +10,9 @@
 # Time limits (seconds): T_TEST (each test and sanitizer run, default 280),
 # T_TUNE (480; T_TUNE2 for the second tune; TUNE_ARGS more tune options, e.g. --only mxfp8), T_BENCH (240), T_RUN (150), T_TPOT (300).  TESTS and SANITIZE
 # narrow the test programs (default: every ./check_*_gpu; the five kernel ones); a SANITIZE entry
-# PROGRAM:CASE sanitizes one test case (CK_RUN_CASE) of it; SAN_TOOLS narrows the tools.
+# PROGRAM:CASE sanitizes one test case (CK_RUN_CASE) of it; SAN_TOOLS narrows the tools, PROGRAM[:CASE]@T1+T2
+# gives one entry its own; SAN_ARGS adds compute-sanitizer options (e.g. --print-limit 20).
+# Never run two device-run.sh at once: each packs and then empties $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
 L=$OUT/logs
@@ -55,11 +57,14 @@ fi
 if has sanitize; then
   # M3KIT_SMALL=1: the tests' reduced shapes (tests/gpu_main.h).
   for ent in ${SANITIZE:-./check_qknorm_gpu ./check_indexer_gpu ./check_attention_gpu ./check_ffn_gpu ./check_forward_gpu}; do
-    t=${ent%%:*} cs=; [ "$t" != "$ent" ] && cs=${ent#*:}   # PROGRAM[:CASE]: one CK_RUN_CASE of it
+    # PROGRAM[:CASE][@TOOL+TOOL]: one CK_RUN_CASE of it, with its own tools
+    tools=${SAN_TOOLS:-memcheck racecheck initcheck synccheck}
+    case $ent in *@*) tools=$(echo "${ent#*@}" | tr + ' '); ent=${ent%%@*};; esac
+    t=${ent%%:*} cs=; [ "$t" != "$ent" ] && cs=${ent#*:}
     [ -x "$t" ] || continue
-    for tool in ${SAN_TOOLS:-memcheck racecheck initcheck synccheck}; do
+    for tool in $tools; do
       n=sanitize-$tool-$(basename "$t")${cs:+-$cs}
-      ( env M3KIT_SMALL=1 ${cs:+CK_RUN_CASE=$cs} timeout "${T_TEST:-280}" compute-sanitizer --tool $tool --error-exitcode 9 "$t" > "$L/$n.log" 2>&1
+      ( env M3KIT_SMALL=1 ${cs:+CK_RUN_CASE=$cs} timeout "${T_TEST:-280}" compute-sanitizer --tool $tool --error-exitcode 9 ${SAN_ARGS:-} "$t" > "$L/$n.log" 2>&1
         rc=$?
         log "$n rc=$rc $(grep -E 'ERROR SUMMARY' "$L/$n.log" | tail -n 1) $(grep -E '^[0-9]+%: Checks' "$L/$n.log" | tail -n 1)" ) &
       pids="$pids $!"

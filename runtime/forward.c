@@ -519,6 +519,11 @@ static m3_status dmalloc(void **p, size_t bytes, const char *what, m3_err *e) {
     return m3_errf(e, r == cudaErrorMemoryAllocation ? M3_CAPACITY : M3_CUDA,
                    "forward: %s: cudaMalloc(%zu) failed (%zu bytes free): %s", what, bytes, fr, cudaGetErrorString(r));
   }
+  /* Zeroed once: tiles that load whole rows or padded batch rows past n read
+   * activation memory no op has written yet (their results are discarded,
+   * but compute-sanitizer's initcheck rightly flags the reads, and garbage
+   * could hold NaN bit patterns). */
+  M3_CUDA(e, cudaMemset(*p, 0, bytes ? bytes : 16));
   return M3_OK;
 }
 
