@@ -34,7 +34,9 @@
  * bf16 and MXFP8 checkpoints (values and E8M0 scales), and synthetic MXFP8
  * weights with 2 KV heads over 4 ranks (each KV head replicated on 2).
  * Refusals: a rank count the config cannot cut names the field; a bad token
- * id is M3_RANGE before any rank runs and the group stays usable.
+ * id is M3_RANGE before any rank runs and the group stays usable.  Failure:
+ * a rank failing mid-step (a NaN only it holds, numerics check on) wakes the
+ * rank waiting in the all-reduce, and the call reports the failing rank.
  * Exit 77 without a GPU; the emu_ build runs it on the CPU emulator. */
 #include <math.h>
 #include <string.h>
@@ -438,6 +440,50 @@ START_TEST(refusals) {
 }
 END_TEST
 
+/* A rank that fails mid-step must not leave the others waiting: a NaN in
+ * layer 0's o_proj at a column only rank `bad` of 2 holds, with the numerics
+ * check on, makes that rank fail at its o_proj output while the other
+ * (finite partial sum) waits in the all-reduce or arrives there after the
+ * abort - which one depends on the order the threads run in, so both ranks
+ * take the bad role in turn and both paths run; the call returns the bad
+ * rank's error (the root cause, not the other's "gave up"), and since every
+ * rank failed the step the group stays usable: the next call fails the same
+ * way, and does not hang or report a broken group. */
+START_TEST(rank_failure_wakes_the_others) {
+  m3_err e = {0};
+  fwd_ckpt cf;
+  ck_assert_msg(fwd_ckpt_make(&cfg, 0, g_seed ^ 0xbadull, &cf, &e) == M3_OK, "%s", e.msg);
+  const m3_weight *w = m3_ckpt_get(cf.k, 0, M3_ROLE_O_PROJ, -1);
+  ck_assert(w && w->w && w->w->dtype == M3_DT_BF16);
+  const int bad = _i;
+  const int64_t col = (int64_t)bad * (cfg.num_attention_heads / 2) * cfg.head_dim; /* its first q column */
+  const uint16_t nan = 0x7fc0;
+  FILE *fp = fopen(w->w->file, "r+b");
+  ck_assert_ptr_nonnull(fp);
+  ck_assert_int_eq(fseek(fp, (long)(w->w->file_offset + (uint64_t)col * 2), SEEK_SET), 0);
+  ck_assert_int_eq(fwrite(&nan, 2, 1, fp), 1);
+  ck_assert_int_eq(fclose(fp), 0);
+  m3_tp_opts o = {.tp = 2, .backend = M3_TP_LOCAL, .model = {.dir = cf.dir}, .kv = {.max_seqs = 1, .max_ctx = 32},
+                  .fwd = m3_fwd_defaults()};
+  o.fwd.max_chunk = 16;
+  o.fwd.check_numerics = 1;
+  m3_tp_group *g;
+  ck_assert_msg(m3_tp_open(&o, &g, &e) == M3_OK, "%s", e.msg);
+  int seq;
+  ck_assert_msg(m3_tp_admit(g, 20, &seq, &e) == M3_OK, "%s", e.msg);
+  for (int attempt = 0; attempt < 2; attempt++) {
+    m3_status s = m3_tp_prefill(g, seq, 8, prompt, NULL, NULL, NULL, &e);
+    printf("attempt %d: %s: %s\n", attempt, m3_status_name(s), e.msg);
+    ck_assert_int_eq(s, M3_NUMERICS);
+    char want[16];
+    snprintf(want, sizeof want, "rank %d: ", bad);
+    ck_assert_msg(strstr(e.msg, want) == e.msg && strstr(e.msg, "o_proj"), "not rank %d's own error: %s", bad, e.msg);
+  }
+  m3_tp_close(g);
+  fwd_ckpt_close(&cf);
+}
+END_TEST
+
 static void add(Suite *s, const char *name, const TTest *test, int loops) {
   TCase *t = tcase_create(name);
   tcase_add_unchecked_fixture(t, setup, NULL);
@@ -451,6 +497,7 @@ static Suite *make(void) {
   Suite *s = suite_create("tp_forward_gpu");
   add(s, "sliced_weights", sliced_weights, 0);
   add(s, "refusals", refusals, 0);
+  add(s, "rank_failure", rank_failure_wakes_the_others, 2);
   add(s, "forward", tp_matches_single_gpu, 3);
   return s;
 }
