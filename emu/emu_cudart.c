@@ -58,6 +58,22 @@ cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKin
   else memmove(d, s, n);
   return cudaSuccess;
 }
+/* Pitched copies (the tensor-parallel loader's column slices, the logits
+ * all-gather's placement): one row at a time, recorded as plain copies when
+ * capturing. */
+cudaError_t cudaMemcpy2DAsync(void *d, size_t dpitch, const void *s, size_t spitch, size_t width, size_t height,
+                              enum cudaMemcpyKind k, cudaStream_t st) {
+  if (width > dpitch || width > spitch) return ret(cudaErrorInvalidPitchValue);
+  for (size_t r = 0; r < height; r++) {
+    cudaError_t x = cudaMemcpyAsync((char *)d + r * dpitch, (const char *)s + r * spitch, width, k, st);
+    if (x != cudaSuccess) return x;
+  }
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpy2D(void *d, size_t dpitch, const void *s, size_t spitch, size_t width, size_t height,
+                         enum cudaMemcpyKind k) {
+  return cudaMemcpy2DAsync(d, dpitch, s, spitch, width, height, k, NULL);
+}
 cudaError_t cudaMemset(void *d, int v, size_t n) { memset(d, v, n); return cudaSuccess; }
 cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t st) {
   (void)st;

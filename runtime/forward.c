@@ -42,7 +42,7 @@ typedef struct step {
 /* A captured decode step and the step it was captured for.  The graph is kept
  * alive with its executable (CUDA allows destroying it after instantiation,
  * but the CPU emulator's executable refers to it). */
-typedef struct graph { int n; int64_t bucket; step st; cudaGraph_t g; cudaGraphExec_t exec; } graph;
+typedef struct graph { int n; int64_t bucket; step st; cudaGraph_t g; cudaGraphExec_t exec; int n_ar, n_ag; } graph;
 
 struct m3_forward {
   m3_rt *rt;
@@ -95,6 +95,13 @@ struct m3_forward {
   const int32_t *dbg_ovr;
   void *hscan;                  /* host buffer for the check */
   size_t hscan_bytes;
+  /* tensor parallelism (o.tp; see forward.h) */
+  m3_tp_link *tp;               /* NULL: one GPU (also for a one-rank link) */
+  float *lg_part;               /* [max_batch, vocab_n] this rank's lm_head rows */
+  float *lg_all;                /* [tp, max_batch * vn_max] gathered slices */
+  int64_t vn_max;               /* the largest rank's vocab_n */
+  int v0[M3_TP_COMM_MAX], vn[M3_TP_COMM_MAX]; /* every rank's lm_head rows */
+  uint64_t n_ar, n_ag;          /* collectives executed */
 };
 
 
@@ -122,6 +129,32 @@ enum { DT_BF16, DT_F32 };
 /* ------------------------------------------------------------------------ */
 /* The layers                                                               */
 /* ------------------------------------------------------------------------ */
+
+/* Tensor parallelism: x [n, H] holds this rank's partial sum of a
+ * row-parallel projection (o_proj, the MLP / MoE down projections over the
+ * rank's columns); the all-reduce makes it the whole sum on every rank before
+ * the residual add.  Nothing without a link. */
+static m3_status tp_sum(m3_forward *f, const step *st, int l, m3_err *e) {
+  if (!f->tp) return M3_OK;
+  const size_t n = (size_t)st->n * (size_t)f->m->cfg.hidden_size;
+  if (op_wanted(f, "allreduce")) f->n_ar++;
+  OP("allreduce", m3_tp_allreduce_bf16(f->tp, f->x, n, f->s, e));
+  return check_out(f, l, "allreduce", f->x, (int64_t)n, DT_BF16, e);
+}
+
+/* The lm_head under tensor parallelism: this rank's [nl, vocab_n] slice
+ * (lg_part) gathered from every rank as [tp][nl * vn_max] blocks (equal
+ * counts, as NCCL wants: a rank's block is padded to the largest slice), then
+ * each rank's block placed at its vocab0 columns of the whole [nl, V] rows. */
+static m3_status tp_gather_logits(m3_forward *f, int nl, m3_err *e) {
+  const size_t blk = (size_t)nl * (size_t)f->vn_max, V = (size_t)f->m->cfg.vocab_size;
+  M3_TRY(m3_tp_allgather_f32(f->tp, f->lg_part, f->lg_all, blk, f->s, e));
+  for (int r = 0; r < f->tp->n_ranks; r++)
+    M3_CUDA(e, cudaMemcpy2DAsync(f->logits + f->v0[r], V * sizeof(float), f->lg_all + (size_t)r * blk,
+                                 (size_t)f->vn[r] * sizeof(float), (size_t)f->vn[r] * sizeof(float), (size_t)nl,
+                                 cudaMemcpyDeviceToDevice, f->s));
+  return M3_OK;
+}
 
 /* P = a · W_qkvᵀ; q/k/(iq/ik) normed and roped, K/V and index-K inserted into
  * the caches (the qk-norm kernel does all of it, §4). */
@@ -208,7 +241,8 @@ static m3_status attention(m3_forward *f, const step *st, int l, int sparse, m3_
   }
   M3_TRY(check_out(f, l, sparse ? "attn_sparse" : "attn_dense", f->ao, (int64_t)st->n * m3_config_q_width(c), DT_BF16, e));
   OP("o_proj", linear(f, st, f->ao, &f->m->layers[l].o, f->x, "o_proj", e));
-  return check_out(f, l, "o_proj", f->x, (int64_t)st->n * c->hidden_size, DT_BF16, e);
+  M3_TRY(check_out(f, l, "o_proj", f->x, (int64_t)st->n * c->hidden_size, DT_BF16, e));
+  return tp_sum(f, st, l, e);
 }
 
 /* r += x; out = RMSNorm(r, w) (the fused add + norm, §2.3, §10.2). */
@@ -251,7 +285,8 @@ static m3_status moe(m3_forward *f, const step *st, int l, m3_err *e) {
 }
 
 static m3_status ffn(m3_forward *f, const step *st, int l, m3_err *e) {
-  return f->m->layers[l].moe ? moe(f, st, l, e) : dense_mlp(f, st, l, e);
+  M3_TRY(f->m->layers[l].moe ? moe(f, st, l, e) : dense_mlp(f, st, l, e));
+  return tp_sum(f, st, l, e);
 }
 
 /* The input norm of the next layer, or the final norm after the last one. */
@@ -299,12 +334,18 @@ static m3_status forward_body(m3_forward *f, const step *st, int logit_row0, m3_
     else M3_TRY(dense_layer(f, st, l, e));
   }
   /* lm_head: fp32 logits from the final-normed rows, always a GEMV (at most
-   * max_batch rows; a prefill needs only its last token). */
+   * max_batch rows; a prefill needs only its last token).  Under tensor
+   * parallelism the rank's vocab_n rows, then gathered into whole rows. */
   if (logit_row0 < 0) return M3_OK;
   const int nl = st->n - logit_row0;
-  m3_gemv_args ga = {.n = nl, .rows = c->vocab_size, .cols = c->hidden_size, .wfmt = M3_GEMV_BF16, .out_f32 = 1};
+  m3_gemv_args ga = {.n = nl, .rows = m->vocab_n, .cols = c->hidden_size, .wfmt = M3_GEMV_BF16, .out_f32 = 1};
   M3_TRY(m3_gemv_kernel(f->rt, &ga, &k, e));
-  OP("lm_head", m3_launch_gemv(k, &ga, f->a + (size_t)logit_row0 * c->hidden_size, m->lm_head, NULL, f->logits, f->s, e));
+  OP("lm_head", m3_launch_gemv(k, &ga, f->a + (size_t)logit_row0 * c->hidden_size, m->lm_head, NULL,
+                               f->tp ? f->lg_part : f->logits, f->s, e));
+  if (f->tp) {
+    if (op_wanted(f, "allgather")) f->n_ag++;
+    OP("allgather", tp_gather_logits(f, nl, e));
+  }
   return check_out(f, -1, "lm_head", f->logits, (int64_t)nl * c->vocab_size, DT_F32, e);
 }
 
@@ -398,7 +439,10 @@ static m3_status capture(m3_forward *f, const step *st, graph *gr, m3_err *e) {
   M3_CUDA(e, cudaStreamSynchronize(f->s));
   M3_CUDA(e, cudaStreamBeginCapture(f->s, cudaStreamCaptureModeRelaxed));
   f->capturing = 1;
+  const uint64_t ar = f->n_ar, ag = f->n_ag; /* captured, not executed: counted at each replay */
   m3_status s = forward_body(f, st, 0, e);
+  gr->n_ar = (int)(f->n_ar - ar), gr->n_ag = (int)(f->n_ag - ag);
+  f->n_ar = ar, f->n_ag = ag;
   f->capturing = 0;
   cudaError_t ce = cudaStreamEndCapture(f->s, &g);
   if (s != M3_OK) {
@@ -444,12 +488,14 @@ m3_status m3_forward_decode(m3_forward *f, int n, const int *seqs, const int32_t
   step st = {.n = n, .decode = 1, .gemv = n <= DECODE_ROWS, .max_kv = ctx_bucket(f, longest), .b = device_batch(f)};
   /* Graphs need a step without host round trips: GEMV-sized (the cuBLAS MoE
    * path reads expert counts back), no timing events, no numerics scans. */
-  const int graphs = f->o.use_graph && !f->o.timing && !f->check && !f->dbg_cap && !f->dbg_ovr && st.gemv;
+  const int graphs = f->o.use_graph && !f->o.timing && !f->check && !f->dbg_cap && !f->dbg_ovr && st.gemv &&
+                     (!f->tp || f->tp->capturable);
   graph *gr = NULL;
   for (int i = 0; graphs && i < f->n_graphs && !gr; i++)
     if (f->graphs[i].n == n && f->graphs[i].bucket == st.max_kv) gr = &f->graphs[i];
   if (gr) {
     f->last_graph = (int)(gr - f->graphs);
+    f->n_ar += (uint64_t)gr->n_ar, f->n_ag += (uint64_t)gr->n_ag;
     cudaError_t ce = cudaGraphLaunch(gr->exec, f->s);
     if (ce != cudaSuccess) s = m3_cuda_fail(e, ce, "cudaGraphLaunch", __FILE__, __LINE__);
   } else {
@@ -477,7 +523,7 @@ fail: /* this step's tokens are not (reliably) in the caches: forget them */
 /* ------------------------------------------------------------------------ */
 
 m3_fwd_opts m3_fwd_defaults(void) {
-  m3_fwd_opts o = {.max_batch = 1, .max_chunk = 256, .use_graph = 1, .timing = 0, .check_numerics = -1};
+  m3_fwd_opts o = {.max_batch = 1, .max_chunk = 256, .use_graph = 1, .timing = 0, .check_numerics = -1, .tp = NULL};
   return o;
 }
 
@@ -639,6 +685,14 @@ m3_status m3_forward_create(m3_rt *rt, const m3_model *m, m3_kv_cache *kv, const
                    o->max_batch, kv->plan.max_seqs);
   if (kv->cfg.num_hidden_layers != c->num_hidden_layers || kv->cfg.sparse_block_size != c->sparse_block_size)
     return m3_errf(e, M3_INVAL, "forward: the KV cache was made for another config");
+  /* a rank's model and its link come together (forward.h, tensor parallelism) */
+  const int link_n = o->tp ? o->tp->n_ranks : 1, link_r = o->tp ? o->tp->rank : 0, model_tp = m->tp > 1 ? m->tp : 1;
+  if (model_tp != link_n || (link_n > 1 && m->rank != link_r))
+    return m3_errf(e, M3_INVAL, "forward: the model is rank %d of %d, the tensor-parallel link rank %d of %d", m->rank,
+                   model_tp, link_r, link_n);
+  if (kv->cfg.num_key_value_heads != c->num_key_value_heads)
+    return m3_errf(e, M3_INVAL, "forward: the KV cache holds %d KV heads a layer, the model computes %d (a rank's cache "
+                   "is made from its model's config)", kv->cfg.num_key_value_heads, c->num_key_value_heads);
   m3_forward *f = calloc(1, sizeof *f);
   if (f) f->last_graph = -1;
   if (!f) return m3_errf(e, M3_NOMEM, "forward");
@@ -688,6 +742,18 @@ m3_status m3_forward_create(m3_rt *rt, const m3_model *m, m3_kv_cache *kv, const
   ALLOC(f->d_seq, R * 4);
   ALLOC(f->d_pos, R * 8);
   ALLOC(f->d_slot, R * 8);
+  if (link_n > 1) { /* tensor parallelism: the logits slices (forward.h) */
+    f->tp = o->tp;
+    for (int r = 0; r < link_n; r++) {
+      m3_tp_vocab_slice(c->vocab_size, link_n, r, &f->v0[r], &f->vn[r]);
+      if (f->vn[r] > f->vn_max) f->vn_max = f->vn[r];
+    }
+    ALLOC(f->lg_part, (size_t)f->o.max_batch * (size_t)f->vn_max * 4);
+    ALLOC(f->lg_all, (size_t)link_n * (size_t)f->o.max_batch * (size_t)f->vn_max * 4);
+    /* the pad of a block never lands in the logits; zeroed so it is defined */
+    if (s == M3_OK && cudaMemset(f->lg_part, 0, (size_t)f->o.max_batch * (size_t)f->vn_max * 4) != cudaSuccess)
+      s = m3_errf(e, M3_CUDA, "forward: cudaMemset");
+  }
 #undef ALLOC
   if (s == M3_OK && cudaMemset(f->d_err, 0, 4) != cudaSuccess) s = m3_errf(e, M3_CUDA, "forward: cudaMemset");
   if (s == M3_OK) {
@@ -729,7 +795,8 @@ void m3_forward_free(m3_forward *f) {
   free(f->ev);
   free(f->ev_name);
   void *d[] = {f->r, f->a, f->mb, f->x, f->m32, f->P, f->q, f->ao, f->iq, f->sel, f->scores, f->gu, f->act, f->wdq,
-               f->logits, f->d_next, f->d_err, f->d_ids, f->d_seq, f->d_pos, f->d_slot, f->attn_ws, f->idx_ws, f->tabs};
+               f->logits, f->d_next, f->d_err, f->d_ids, f->d_seq, f->d_pos, f->d_slot, f->attn_ws, f->idx_ws, f->tabs,
+               f->lg_part, f->lg_all};
   for (size_t i = 0; i < sizeof d / sizeof *d; i++)
     if (d[i]) cudaFree(d[i]);
   if (f->h_pos) cudaFreeHost(f->h_pos);
@@ -910,6 +977,9 @@ static m3_status replay_ms(m3_forward *f, cudaGraphExec_t exec, int reps, double
 }
 
 m3_status m3_forward_graph_breakdown(m3_forward *f, int reps, FILE *out, m3_err *e) {
+  if (f->tp)
+    return m3_errf(e, M3_INVAL, "graph breakdown: not under tensor parallelism (one rank's op replayed alone would "
+                   "wait in its collectives for the other ranks)");
   if (f->last_graph < 0 || f->last_graph >= f->n_graphs)
     return m3_errf(e, M3_INVAL, "graph breakdown: no decode step has run as a graph yet (decode with graphs on, "
                    "without --timing, first)");
@@ -950,6 +1020,11 @@ m3_status m3_forward_graph_breakdown(m3_forward *f, int reps, FILE *out, m3_err 
 void m3_forward_debug_selection(m3_forward *f, int32_t *capture, const int32_t *override) {
   f->dbg_cap = capture;
   f->dbg_ovr = override;
+}
+
+void m3_forward_tp_counts(const m3_forward *f, uint64_t *allreduces, uint64_t *allgathers) {
+  if (allreduces) *allreduces = f->n_ar;
+  if (allgathers) *allgathers = f->n_ag;
 }
 
 void m3_forward_reset_timing(m3_forward *f) {

@@ -22,6 +22,20 @@
  * m3_forward_print_timing prints a per-op breakdown.  Either one turns the
  * decode graphs off (a replayed graph has no per-op boundaries).
  *
+ * Tensor parallelism (issue 7; spec §3.2): a rank's forward is this same pass
+ * on the rank's model (runtime/model.h: its heads and intermediate slices in
+ * its config, its lm_head rows) with opts.tp, its endpoint in the group
+ * (runtime/tp_comm.h).  Three collectives a step, in this order on every
+ * rank: the o_proj output and the MLP / MoE output of each layer ([tokens,
+ * hidden] bf16 partial sums) are all-reduced before the residual add +
+ * RMSNorm (2 a layer), and the lm_head's vocabulary slice of the logits is
+ * all-gathered into the whole row before sampling and the logits copy-out,
+ * so every rank samples the same token from the same row.  Decode graphs
+ * stay on when the link's collectives are capturable (NCCL), off otherwise
+ * (the local backend synchronises with the host inside).  Without opts.tp
+ * (or with a one-rank link) none of this code runs: the single-GPU pass is
+ * unchanged bit for bit.
+ *
  * On any error of a prefill chunk or a decode step, the tokens of that chunk
  * or step are taken back out of the sequences' lengths (their cache slots
  * are simply overwritten later), so the caller may retry or release.
@@ -35,6 +49,7 @@
 #include "runtime/kernels.h"
 #include "runtime/kv_cache.h"
 #include "runtime/model.h"
+#include "runtime/tp_comm.h"
 
 typedef struct m3_fwd_opts {
   int max_batch;       /* sequences per decode step, >= 1 (<= the cache's max_seqs) */
@@ -42,9 +57,11 @@ typedef struct m3_fwd_opts {
   int use_graph;       /* 1: capture decode steps as CUDA graphs and replay them */
   int timing;          /* 1: events around every kernel (m3_forward_print_timing) */
   int check_numerics;  /* -1: from $M3KIT_CHECK_NUMERICS; 0 off; 1 on */
+  m3_tp_link *tp;      /* tensor parallel: this rank's endpoint (outlives the forward); NULL: one GPU */
 } m3_fwd_opts;
 
-/* Defaults: batch 1, chunk 256, graphs on, timing off, numerics from env. */
+/* Defaults: batch 1, chunk 256, graphs on, timing off, numerics from env,
+ * no tensor parallelism. */
 m3_fwd_opts m3_fwd_defaults(void);
 
 /* Token choice after a step (m3_ref_sample_top_p's contract): greedy when
@@ -60,7 +77,8 @@ typedef struct m3_forward m3_forward;
 /* Allocate activations for max_chunk prefill tokens and max_batch decode
  * rows, resolve every kernel the model needs (through m3_rt_kernel: tuned
  * tiles by shape bucket, default otherwise).  m and kv must outlive f.
- * Errors: M3_INVAL (options), M3_CAPACITY / M3_CUDA (activations), the JIT's. */
+ * Errors: M3_INVAL (options; a rank's model without a link of its group size
+ * and rank, or the reverse), M3_CAPACITY / M3_CUDA (activations), the JIT's. */
 m3_status m3_forward_create(m3_rt *rt, const m3_model *m, m3_kv_cache *kv, const m3_fwd_opts *o,
                             m3_forward **out, m3_err *e);
 void m3_forward_free(m3_forward *f);
@@ -93,6 +111,11 @@ m3_status m3_forward_decode(m3_forward *f, int n, const int *seqs, const int32_t
  * and decode steps are not captured as graphs.  Errors: none. */
 void m3_forward_debug_selection(m3_forward *f, int32_t *capture, const int32_t *override);
 
+/* Collectives this forward has executed under tensor parallelism (graph
+ * replays included): all-reduces (2 a layer a step) and logits all-gathers
+ * (1 a step).  0 without opts.tp.  Either pointer may be NULL. */
+void m3_forward_tp_counts(const m3_forward *f, uint64_t *allreduces, uint64_t *allgathers);
+
 /* Per-op time (events, opts.timing): name, calls, total ms, share. */
 void m3_forward_print_timing(const m3_forward *f, FILE *out);
 /* Zero the timing table (e.g. after the prefill, to time decode alone). */
@@ -106,7 +129,8 @@ void m3_forward_reset_timing(m3_forward *f);
  * within 10% of the step).  The replays rerun the last step's kernels on
  * whatever the buffers hold, so its cache slots and outputs are overwritten:
  * call it after the last decode step whose results matter.
- * Errors: M3_INVAL (no decode step has run as a graph), M3_CUDA. */
+ * Errors: M3_INVAL (no decode step has run as a graph; tensor parallelism:
+ * one rank's op replayed alone would wait for the others), M3_CUDA. */
 m3_status m3_forward_graph_breakdown(m3_forward *f, int reps, FILE *out, m3_err *e);
 
 /* Activation bytes m3_forward_create allocates for these options (for

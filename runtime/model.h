@@ -38,6 +38,29 @@
  *     has no routing bias);
  *   - the bf16 RoPE table [max_position_embeddings, rotary_dim] computed on the
  *     host by m3_rope_table (bit-identical to the reference's).
+ * TENSOR PARALLEL (issue 7; opts.tp > 1): the model of one rank, the cut of
+ * runtime/tp_plan.h.  cfg is then the rank's config (m3_tp_rank_config: its
+ * q heads, KV heads, intermediate slices), so the forward, the KV cache
+ * (the rank's KV heads only; the index-K cache stays whole) and every kernel
+ * key see the rank's widths; whole is the model's config.  What a rank holds:
+ *   - fused QKV: the 5 row ranges of spec §3.2 concatenated in order: its q
+ *     heads, its k and v heads (KV head kv_head0.., replicated when tp >
+ *     nkv), its index_q heads (by KV head), and the single index_k head;
+ *   - o_proj and the down projections (dense MLP, every routed expert, the
+ *     shared expert): the input columns of its q heads / intermediate slice;
+ *   - gate|up (dense, experts, shared): rows [i0, i0+n) of gate and the same
+ *     rows of up, fused as [2n, H] in the same gate-then-up order;
+ *   - lm_head: rows [vocab0, vocab0 + vocab_n) (a copy even when tied);
+ *   - embedding, norms, router, routing bias, RoPE table: whole.
+ * Every sliced tensor is first materialised whole on the device as on one
+ * GPU (checkpoint upload, fused and dequantised as usual, or synthetic fill,
+ * so a rank's values are exactly the single-GPU model's), then its slice is
+ * copied out (cudaMemcpy2DAsync; MXFP8 scale columns sliced by /32) and the
+ * whole tensor freed.  Peak memory: the rank's weights plus one whole tensor
+ * (a checkpoint's routed experts one expert at a time; a synthetic stack of
+ * resident experts whole, since the generator fills a tensor in one launch);
+ * peak_bytes records it.
+ *
  * Synthetic values: linears, embeddings, router, bias and norm offsets
  * ~ 0.02 * n(seed_t, i) (templates/fill.lua), seed_t = m3_synth_seed(seed,
  * tensor name).  MXFP8 synthetic linears store e4m3(20.48 * n) with every
@@ -53,6 +76,7 @@
 #include "runtime/config.h"
 #include "runtime/kernels.h"
 #include "runtime/kv_cache.h"
+#include "runtime/tp_plan.h"
 
 /* A linear weight [rows, cols] (PyTorch [out, in]); for a stack of experts,
  * rows covers one expert and n_stack experts follow each other. */
@@ -86,15 +110,20 @@ typedef struct m3_dlayer {
 } m3_dlayer;
 
 typedef struct m3_model {
-  m3_config cfg;
+  m3_config cfg;           /* what this device computes: the rank's config under tensor parallelism */
+  m3_config whole;         /* the model's config (== cfg when tp == 1) */
+  int tp, rank;            /* rank `rank` of a tensor-parallel group of tp (1, 0: the whole model) */
+  m3_tp_rank part;         /* the rank's cut (tp > 1; zeroed otherwise) */
+  int64_t vocab0, vocab_n; /* lm_head rows held: [vocab0, vocab0 + vocab_n) (0, V when tp == 1) */
   int n_resident;          /* routed experts resident per MoE layer */
   int mxfp8;               /* some linears are MXFP8 */
   m3_bf16 *embed;          /* [V, H] */
-  m3_bf16 *lm_head;        /* [V, H] (== embed when tied) */
+  m3_bf16 *lm_head;        /* [vocab_n, H] (== embed when tied and tp == 1) */
   m3_bf16 *final_norm;     /* [H] */
   m3_bf16 *rope;           /* [max_position_embeddings, rotary_dim] */
   m3_dlayer *layers;       /* [L] host array of device pointers */
   size_t weight_bytes;     /* device bytes held (weights + RoPE table) */
+  size_t peak_bytes;       /* most bytes held at once while loading (tp > 1: + one whole tensor) */
   char source[160];        /* "checkpoint DIR" / "synthetic minimax-m3 (8 experts resident), seed S" */
   void **allocs;
   int n_allocs, cap_allocs;
@@ -108,18 +137,25 @@ typedef struct m3_model_opts {
   int mxfp8;                 /* synthetic: -1 auto (MXFP8 for a config with hidden >= 4096,
                                 i.e. minimax-m3, bf16 otherwise), 0 bf16, 1 MXFP8 */
   uint64_t seed;             /* synthetic seed */
+  int tp, rank;              /* tensor parallel: load rank `rank` of tp (tp 0 or 1: the whole model) */
 } m3_model_opts;
 
 /* Device bytes the weights of a synthetic model take (what m3_model_load
- * checks against cudaMemGetInfo before allocating).  n_resident as above. */
+ * checks against cudaMemGetInfo before allocating).  n_resident as above.
+ * For a rank's config (m3_tp_rank_config) it counts the embedding and an
+ * lm_head of vocab_size rows: m3_model_load adjusts for the rank's rows. */
 uint64_t m3_model_bytes(const m3_config *c, int n_resident, int mxfp8);
 
-/* Load or generate the model on rt's device.  Builds the fill kernels through
- * m3_rt_kernel for synthetic weights.
+/* Load or generate the model on rt's device (with opts.tp > 1: rank
+ * opts.rank's slice, see TENSOR PARALLEL above).  Builds the fill kernels
+ * through m3_rt_kernel for synthetic weights.
  * Errors: M3_CONFIG / M3_NOTFOUND / M3_FORMAT from the config and checkpoint
- * loaders (naming file and tensor), M3_INVAL (resident_experts outside
- * [num_experts_per_tok, E]), M3_CAPACITY (weights larger than free GPU memory:
- * names both byte counts), M3_CUDA, M3_NOMEM, and the JIT's errors. */
+ * loaders (naming file and tensor; M3_FORMAT also for a checkpoint tensor
+ * whose shape is not the config's when it is sliced), M3_INVAL
+ * (resident_experts outside [num_experts_per_tok, E]; tp < 0, a rank outside
+ * [0, tp), or a config tp does not cut, m3_tp_plan's message naming the
+ * field), M3_CAPACITY (weights larger than free GPU memory: names both byte
+ * counts), M3_CUDA, M3_NOMEM, and the JIT's errors. */
 m3_status m3_model_load(m3_rt *rt, const m3_model_opts *o, m3_model **out, m3_err *e);
 void m3_model_free(m3_model *m);
 

@@ -16,6 +16,24 @@ static m3_status slice(const char *field, int n, int tp, int rank, int align, in
   return M3_OK;
 }
 
+void m3_tp_vocab_slice(int vocab, int tp, int rank, int *v0, int *vn) {
+  /* lm_head rows: the first V % tp ranks take one more */
+  const int vb = vocab / tp, vr = vocab % tp;
+  *vn = vb + (rank < vr);
+  *v0 = rank * vb + (rank < vr ? rank : vr);
+}
+
+void m3_tp_rank_config(const m3_config *whole, const m3_tp_rank *p, m3_config *out) {
+  *out = *whole;
+  out->num_attention_heads = p->n_q_heads;
+  out->num_key_value_heads = p->n_kv_heads;
+  /* index_q heads go with the KV heads (one per KV head, spec §1.2) */
+  out->sparse_num_index_heads = p->n_kv_heads;
+  out->dense_intermediate_size = p->dense_n;
+  out->intermediate_size = p->moe_n;
+  if (whole->n_shared_experts) out->shared_intermediate_size = p->shared_n / whole->n_shared_experts;
+}
+
 m3_status m3_tp_plan(const m3_config *c, int tp, int rank, m3_tp_rank *o, m3_err *e) {
   memset(o, 0, sizeof *o);
   if (tp < 1 || tp > M3_TP_MAX) return m3_errf(e, M3_INVAL, "tensor parallel: %d ranks (1..%d)", tp, M3_TP_MAX);
@@ -43,10 +61,7 @@ m3_status m3_tp_plan(const m3_config *c, int tp, int rank, m3_tp_rank *o, m3_err
   M3_TRY(slice("dense_intermediate_size", c->dense_intermediate_size, tp, rank, 32, &o->dense_i0, &o->dense_n, e));
   M3_TRY(slice("intermediate_size", c->intermediate_size, tp, rank, 32, &o->moe_i0, &o->moe_n, e));
   M3_TRY(slice("shared_intermediate_size", m3_config_shared_width(c), tp, rank, 32, &o->shared_i0, &o->shared_n, e));
-  /* lm_head rows: the first V % tp ranks take one more */
-  const int vb = c->vocab_size / tp, vr = c->vocab_size % tp;
-  o->vocab_n = vb + (rank < vr);
-  o->vocab0 = rank * vb + (rank < vr ? rank : vr);
+  m3_tp_vocab_slice(c->vocab_size, tp, rank, &o->vocab0, &o->vocab_n);
   o->allreduce_per_layer = tp > 1 ? 2 : 0;
 
   /* Storage: linear weights at the checkpoint's format, embedding / lm_head

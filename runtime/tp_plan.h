@@ -63,6 +63,23 @@ typedef struct m3_tp_rank {
  * 32·tp; vocab_size smaller than tp. */
 m3_status m3_tp_plan(const m3_config *c, int tp, int rank, m3_tp_rank *out, m3_err *e);
 
+/* Rows [*v0, *v0 + *vn) of a vocabulary of `vocab` rows over `tp` ranks:
+ * the first vocab % tp ranks take one more (m3_tp_plan's vocab0 / vocab_n;
+ * the forward's all-gather of the logits places every rank's slice with it).
+ * tp >= 1, 0 <= rank < tp. */
+void m3_tp_vocab_slice(int vocab, int tp, int rank, int *v0, int *vn);
+
+/* The config one rank computes with (runtime/model.h, runtime/forward.h): the
+ * whole config with num_attention_heads = n_q_heads, num_key_value_heads =
+ * sparse_num_index_heads = n_kv_heads, dense_intermediate_size = dense_n,
+ * intermediate_size = moe_n and the shared expert's width shared_n.  Every
+ * width a kernel key or a buffer is sized by then is the rank's slice, so the
+ * single-GPU forward runs a rank unchanged.  vocab_size stays whole: the
+ * embedding is replicated and the gathered logits row is whole; the lm_head
+ * rows the rank holds are p->vocab0 / vocab_n (m3_model).  Errors: none (p
+ * comes from m3_tp_plan of this config). */
+void m3_tp_rank_config(const m3_config *whole, const m3_tp_rank *p, m3_config *out);
+
 /* KV + index-K cache bytes one token occupies on one rank of `tp`
  * (kv_elem_bytes, idx_elem_bytes: 2 bf16, 1 e4m3): main KV divided by
  * min(tp, nkv), index-K replicated (spec §9.3: TP=4 bf16 -> 45,312 B).

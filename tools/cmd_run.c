@@ -1,8 +1,9 @@
 /* cmd_run.c - `m3kit run`: load a model (checkpoint, or synthetic weights
  * for a preset), prefill a prompt, decode, and report TTFT, TPOT, tokens/s
- * and peak GPU memory.  Without a GPU it says so and does the part that needs
- * none: renders and compiles every kernel variant the model needs (through
- * the cubin cache), so a later GPU run starts warm. */
+ * and peak GPU memory; with --tp N the same over N tensor-parallel ranks
+ * (runtime/tp_forward.h).  Without a GPU it says so and does the part that
+ * needs none: renders and compiles every kernel variant the model needs
+ * (through the cubin cache), so a later GPU run starts warm. */
 #include <getopt.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -20,6 +21,8 @@
 #include "runtime/log.h"
 #include "runtime/model.h"
 #include "runtime/model_dims.h"
+#include "runtime/tp_forward.h"
+#include "runtime/tp_plan.h"
 #include "tools/cli.h"
 
 static void help(void) {
@@ -53,6 +56,14 @@ static void help(void) {
       "                           values: measures TPOT at long contexts without the prefill; TTFT is then\n"
       "                           the last token's)\n"
       "  --no-graph               launch decode kernels one by one instead of replaying a CUDA graph\n"
+      "tensor parallelism (spec §3.2; m3kit tp-plan --tp N shows the cut):\n"
+      "  --tp N                   N ranks (1..8), one thread each: q heads, KV heads, every expert's and the\n"
+      "                           dense MLP's intermediate and the lm_head's rows split, 2 all-reduces a layer\n"
+      "                           and a logits all-gather a step; prints each rank's weight bytes and the\n"
+      "                           collectives run (not with --timing, --graph-breakdown, --synthetic-cache)\n"
+      "  --tp-backend nccl|local  nccl (default when N GPUs exist): rank r on GPU r, NCCL collectives, decode\n"
+      "                           graphs on; local: the ranks share the GPUs there are and take turns, meeting\n"
+      "                           in host memory (graphs off): checks the path on one GPU, no speedup\n"
       "output:\n"
       "  --dump-logits FILE.npy   float32 [steps, batch, vocab]: step 0 = the prompt's last token, then\n"
       "                           one row per generated token\n"
@@ -172,6 +183,127 @@ static void watch(mem_watch *w) {
   }
 }
 
+/* ---- --tp: the same run through the tensor-parallel driver --------------- */
+
+typedef struct run_args {
+  const char *model, *preset, *dump;
+  const int32_t *prompt1;
+  int plen, max_new, batch, kv8, ix8, resident, chunk, graph, weights, tp, backend;
+  uint64_t seed;
+  float temperature, top_p;
+} run_args;
+
+static int run_tp(const run_args *a) {
+  m3_err e = {0};
+  m3_status s;
+  m3_tp_group *g = NULL;
+  int32_t *prompts = NULL, *gen = NULL, *next = NULL, *in = NULL;
+  float *logits = NULL;
+  int *seqs = NULL, rc = 0;
+  const int64_t total = (int64_t)a->plen + a->max_new;
+  m3_tp_opts o = {.tp = a->tp, .backend = (m3_tp_backend)a->backend,
+                  .model = {.dir = a->model, .preset = a->preset, .resident_experts = a->resident, .mxfp8 = a->weights,
+                            .seed = a->seed},
+                  .fwd = m3_fwd_defaults()};
+  o.fwd.max_batch = a->batch;
+  o.fwd.max_chunk = a->chunk;
+  o.fwd.use_graph = a->graph;
+  {
+    m3_config cc;
+    if ((s = m3_config_for(a->preset, a->model, &cc, &e)) != M3_OK) return cli_fail("run", s, &e);
+    /* the whole model's activations bound every rank's (a rank's widths are slices) */
+    o.kv = (m3_kv_opts){.kv_e4m3 = a->kv8, .idx_e4m3 = a->ix8, .max_seqs = a->batch, .max_ctx = total,
+                        .reserve_bytes = m3_forward_activation_bytes(&cc, &o.fwd, total) + (512ull << 20)};
+  }
+  double t_load = now_s();
+  if ((s = m3_tp_open(&o, &g, &e)) != M3_OK) return cli_fail("run", s, &e);
+  t_load = now_s() - t_load;
+  const m3_config *cfg = m3_tp_config(g);
+  const int V = cfg->vocab_size;
+  printf("tensor parallel: %d rank%s, %s backend%s, loaded in %.1f s\n", a->tp, a->tp > 1 ? "s" : "",
+         a->backend == M3_TP_NCCL ? "NCCL" : "local", a->tp == 1 ? " (one rank: no collectives)" : "", t_load);
+  for (int r = 0; r < a->tp; r++) {
+    m3_tp_rank_info ri;
+    if ((s = m3_tp_info(g, r, &ri, &e)) != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
+    printf("  rank %d on GPU %d: %s; %.3f GB of weights (peak %.3f GB while loading), KV cache %.3f GB (%llu B/token)\n",
+           r, ri.device, ri.source, ri.weight_bytes / 1e9, ri.peak_bytes / 1e9, ri.kv_bytes / 1e9,
+           (unsigned long long)ri.kv_bytes_per_token);
+  }
+  prompts = malloc(sizeof *prompts * (size_t)a->batch * (size_t)a->plen);
+  gen = malloc(sizeof *gen * (size_t)a->batch * (size_t)a->max_new);
+  next = malloc(sizeof *next * (size_t)a->batch);
+  in = malloc(sizeof *in * (size_t)a->batch);
+  seqs = malloc(sizeof *seqs * (size_t)a->batch);
+  if (a->dump) logits = malloc(sizeof *logits * (size_t)a->max_new * (size_t)a->batch * (size_t)V);
+  if (!prompts || !gen || !next || !in || !seqs || (a->dump && !logits)) {
+    rc = cli_fail("run", m3_errf(&e, M3_NOMEM, "buffers"), &e);
+    goto out;
+  }
+  m3_rng rg = {a->seed ^ 0x5eedull}; /* the single-GPU run's prompts */
+  for (int b = 0; b < a->batch; b++)
+    for (int i = 0; i < a->plen; i++)
+      prompts[(size_t)b * a->plen + i] = a->prompt1 ? a->prompt1[i] : (int32_t)(m3_rng_next(&rg) % (uint64_t)V);
+  for (int b = 0; b < a->batch; b++)
+    if ((s = m3_tp_admit(g, total, &seqs[b], &e)) != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
+  m3_sampling smp = {a->temperature, a->top_p, a->seed, 0};
+  double t0 = now_s();
+  for (int b = 0; b < a->batch; b++) {
+    s = m3_tp_prefill(g, seqs[b], a->plen, prompts + (size_t)b * a->plen, &smp, &next[b],
+                      logits ? logits + (size_t)b * V : NULL, &e);
+    if (s != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
+    gen[(size_t)b * a->max_new] = next[b];
+  }
+  const double ttft = now_s() - t0;
+  double t1 = now_s(), t_first = 0;
+  for (int step = 1; step < a->max_new; step++) {
+    if (step == 2) t_first = now_s() - t1, t1 = now_s(); /* the first step captures graphs: apart */
+    smp.step = (uint64_t)step;
+    memcpy(in, next, sizeof *in * (size_t)a->batch);
+    s = m3_tp_decode(g, a->batch, seqs, in, &smp, next, logits ? logits + (size_t)step * a->batch * V : NULL, &e);
+    if (s != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
+    for (int b = 0; b < a->batch; b++) gen[(size_t)b * a->max_new + step] = next[b];
+  }
+  const double tdec = now_s() - t1;
+  for (int b = 0; b < a->batch; b++) {
+    printf("sequence %d: ", b);
+    for (int i = 0; i < a->max_new; i++) printf("%s%d", i ? "," : "", gen[(size_t)b * a->max_new + i]);
+    printf("\n");
+  }
+  const int steps = a->max_new - 1, timed = steps >= 2 ? steps - 1 : steps;
+  printf("prompt %d tokens x %d sequences, %d new tokens each; every rank chose the same tokens\n", a->plen, a->batch,
+         a->max_new);
+  printf("TTFT %.2f ms (prefill of %d x %d tokens, %.0f tokens/s)\n", ttft * 1e3, a->batch, a->plen,
+         a->batch * a->plen / (ttft > 0 ? ttft : 1e-9));
+  if (steps > 0)
+    printf("TPOT %.3f ms (mean of %d decode steps at batch %d%s), %.1f tokens/s\n", tdec * 1e3 / timed, timed,
+           a->batch, steps >= 2 ? ", after the first" : "", (double)timed * a->batch / (tdec > 0 ? tdec : 1e-9));
+  if (steps >= 2) printf("first decode step %.2f ms\n", t_first * 1e3);
+  {
+    m3_tp_rank_info ri;
+    if (m3_tp_info(g, 0, &ri, &e) == M3_OK)
+      printf("collectives per rank: %llu all-reduces (2 a layer a forward step), %llu logits all-gathers (1 a "
+             "step)\n", (unsigned long long)ri.allreduces, (unsigned long long)ri.allgathers);
+  }
+  if (a->dump) {
+    int64_t shape[3] = {a->max_new, a->batch, V};
+    if (write_npy(a->dump, logits, shape, 3) != 0) {
+      fprintf(stderr, "m3kit run: cannot write %s\n", a->dump);
+      rc = 1;
+    } else {
+      printf("logits [%d, %d, %d] float32 -> %s\n", a->max_new, a->batch, V, a->dump);
+    }
+  }
+out:
+  m3_tp_close(g);
+  free(prompts);
+  free(gen);
+  free(next);
+  free(in);
+  free(seqs);
+  free(logits);
+  return rc;
+}
+
 int cmd_run(int argc, char **argv) {
   static const struct option opts[] = {
       {"model", required_argument, 0, 'm'},          {"preset", required_argument, 0, 'p'},
@@ -184,11 +316,12 @@ int cmd_run(int argc, char **argv) {
       {"no-graph", no_argument, 0, 'G'},             {"timing", no_argument, 0, 't'},
       {"weights", required_argument, 0, 'w'},        {"arch", required_argument, 0, 'A'},
       {"synthetic-cache", no_argument, 0, 'S'},      {"graph-breakdown", no_argument, 0, 'B'},
+      {"tp", required_argument, 0, 'X'},             {"tp-backend", required_argument, 0, 'Y'},
       {"help", no_argument, 0, 'h'},                 {0, 0, 0, 0}};
   const char *model = NULL, *preset = NULL, *ids_text = NULL, *dump = NULL, *arch = "sm_90";
   int64_t context = 32;
   int max_new = 16, batch = 1, kv8 = 0, ix8 = 0, resident = 0, chunk = 256, graph = 1, timing = 0, weights = -1, c;
-  int synth_cache = 0, breakdown = 0, context_set = 0;
+  int synth_cache = 0, breakdown = 0, context_set = 0, tp = 0, tp_backend = -1;
   uint64_t seed = 0;
   float temperature = 0.0f, top_p = 1.0f;
   int64_t iv;
@@ -223,6 +356,11 @@ int cmd_run(int argc, char **argv) {
       case 'A': arch = optarg; break;
       case 'S': synth_cache = 1; break;
       case 'B': breakdown = 1; break;
+      case 'X': if (cli_int("run", "tp", optarg, 1, M3_TP_COMM_MAX, &iv)) return 2; tp = (int)iv; break;
+      case 'Y':
+        tp_backend = !strcmp(optarg, "nccl") ? M3_TP_NCCL : !strcmp(optarg, "local") ? M3_TP_LOCAL : -2;
+        if (tp_backend == -2) { fprintf(stderr, "m3kit run: --tp-backend takes nccl or local\n"); return 2; }
+        break;
       case 'h': help(); return 0;
       default: help(); return 2;
     }
@@ -244,6 +382,11 @@ int cmd_run(int argc, char **argv) {
   if (breakdown && (timing || !graph || max_new < 2)) {
     fprintf(stderr, "m3kit run: --graph-breakdown needs graph-replayed decode steps: not with --timing or --no-graph, "
                     "and --max-new-tokens >= 2\n");
+    return 2;
+  }
+  if (tp_backend >= 0 && !tp) { fprintf(stderr, "m3kit run: --tp-backend goes with --tp N\n"); return 2; }
+  if (tp && (timing || breakdown || synth_cache)) {
+    fprintf(stderr, "m3kit run: --timing, --graph-breakdown and --synthetic-cache are single-GPU runs: not with --tp\n");
     return 2;
   }
   if (!model && !preset) preset = "tiny";
@@ -288,6 +431,11 @@ int cmd_run(int argc, char **argv) {
       free(prompt1);
       return 2;
     }
+    m3_tp_rank r0;
+    if (tp && (cs = m3_tp_plan(&cc, tp, 0, &r0, &ce)) != M3_OK) { /* the cut names the config field */
+      free(prompt1);
+      return cli_fail("run", cs, &ce);
+    }
   }
   if (dump) { /* writable before the run, not after it */
     FILE *df = fopen(dump, "wb");
@@ -300,7 +448,28 @@ int cmd_run(int argc, char **argv) {
   }
   if (m3_gpu_count() == 0) {
     free(prompt1);
+    if (tp > 1) printf("m3kit run --tp %d: the ranks' kernel variants (their head counts and slices) are built when "
+                       "they first run; the whole model's are compiled here.\n", tp);
     return compile_only(preset, model, arch);
+  }
+  if (tp) {
+    if (tp_backend < 0) { /* default: NCCL over distinct GPUs, which needs N of them */
+      if (tp > 1 && m3_gpu_count() < tp) {
+        fprintf(stderr, "m3kit run: --tp %d: NCCL puts each rank on its own GPU and this machine has %d; "
+                        "--tp-backend local runs the %d ranks on the GPUs there are, taking turns (a check of the "
+                        "tensor-parallel path, not a speedup)\n", tp, m3_gpu_count(), tp);
+        free(prompt1);
+        return 2;
+      }
+      tp_backend = M3_TP_NCCL;
+    }
+    run_args ra = {.model = model, .preset = preset, .prompt1 = prompt1, .plen = plen, .max_new = max_new,
+                   .batch = batch, .kv8 = kv8, .ix8 = ix8, .resident = resident, .chunk = chunk, .graph = graph,
+                   .weights = weights, .seed = seed, .temperature = temperature, .top_p = top_p, .dump = dump,
+                   .tp = tp, .backend = tp_backend};
+    int rc = run_tp(&ra);
+    free(prompt1);
+    return rc;
   }
 
   m3_err e = {0};

@@ -22,8 +22,9 @@ static void help(void) {
          "  --weights W     storage of the linear weights (default as m3kit run: MXFP8 for models with\n"
          "                  hidden_size >= 4096, else bf16; with --model, the config's quantization_config)\n"
          "  --gpu-gb G      memory per GPU in 1e9 bytes (default 141)\n"
-         "It also says whether NCCL (runtime/tp_comm.h) loads here.  The multi-GPU forward pass itself\n"
-         "(m3kit run --tp) is not in this build.\n");
+         "It also says whether NCCL (runtime/tp_comm.h) loads here.  To run the cut:\n"
+         "m3kit run --tp N (NCCL, one GPU a rank), or m3kit run --tp N --tp-backend local (the ranks share\n"
+         "the GPUs there are: checks the path on one GPU).\n");
 }
 
 static void print_plan(const m3_config *c, int tp, double gpu_gb) {
