@@ -92,7 +92,7 @@ m3_status m3_tune_graph_time(const m3_tune_op *op, void *st, const m3_kernel *k,
 /* Time one candidate: prepare (untimed) then an event-timed launch, per rep;
  * short kernels then again as a CUDA graph (below). */
 m3_status m3_tune_time_kernel(m3_rt *rt, const m3_tune_op *op, void *st, const m3_kernel *k, int warmup, int reps,
-                                double best_so_far, m3_tune_candidate *c, m3_err *e) {
+                                double best_so_far, m3_tune_candidate *c, double *event_us, m3_err *e) {
   for (int i = 0; i < warmup; i++) {
     M3_TRY(op->prepare(st, i + 1, e));
     M3_TRY(op->launch(st, k, i + 1, e));
@@ -145,6 +145,7 @@ m3_status m3_tune_time_kernel(m3_rt *rt, const m3_tune_op *op, void *st, const m
     c->p80_us = us[(done * 8 / 10) < done ? done * 8 / 10 : done - 1];
     c->n_runs = done;
     c->disposition = done < reps ? M3_DISP_SKIPPED_SLOWER : M3_DISP_PASSED;
+    if (event_us) *event_us = c->median_us;
   }
   for (int i = 0; i < made; i++) cudaEventDestroy(ev[i]);
   free(ev);
@@ -183,6 +184,16 @@ typedef struct {
 static void progress(FILE *f, int done, int total, double t0) {
   if (!f || total == 0) return;
   double el = now_s() - t0, eta = done ? el / done * (total - done) : 0;
+  /* Not a terminal (a log file, CI): one line every 10 s instead of a
+   * carriage-return redraw per candidate (megabytes of log per tune). */
+  static double last_line = -1e9;
+  if (!isatty(fileno(f))) {
+    if (done != total && el - last_line < 10.0) return;
+    last_line = el;
+    fprintf(f, "  %d/%d candidates  %4.0fs elapsed  ETA %4.0fs\n", done, total, el, eta);
+    fflush(f);
+    return;
+  }
   int w = 30, fill = total ? done * w / total : 0;
   fprintf(f, "\r  [%.*s%*s] %d/%d candidates  %4.0fs elapsed  ETA %4.0fs ", fill, "##############################",
           w - fill, "", done, total, el, eta);
@@ -372,8 +383,13 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
     m3_err de;
     char deftile[128] = "";
     if (m3_render_default_tile(rt->jit.lua, &defv, &de) == M3_OK) m3_variant_print_tile(&defv, deftile, sizeof deftile);
-    double best = 0;
+    /* best: the chosen time (graph-timed for short kernels); best_ev: the
+     * best event-timed median, the only fair yardstick for the early stop,
+     * which sees event times (a 2 us kernel graph-timed shows ~8 us under
+     * events: comparing the two skipped every later candidate). */
+    double best = 0, best_ev = 0;
     int best_i = -1, def_i = -1;
+    m3_kernel **kq = calloc((size_t)j->n_cand, sizeof *kq);
     for (int q = 0; q < j->n_cand; q++) {
       m3_jit_job *cj = &cands[j->first_cand + q];
       m3_tune_candidate *c = &cs[q];
@@ -407,18 +423,55 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
           c->disposition = M3_DISP_LAUNCH_ERROR;
           snprintf(reasons[q], sizeof reasons[q], "%.*s", (int)sizeof reasons[q] - 1, ke.msg);
           cudaGetLastError(); /* clear a sticky launch error if it is not fatal */
-        } else if ((ks = m3_tune_time_kernel(rt, j->op, st, k, warmup, reps, best, c, &ke)) != M3_OK) {
-          c->disposition = M3_DISP_LAUNCH_ERROR;
-          snprintf(reasons[q], sizeof reasons[q], "%.*s", (int)sizeof reasons[q] - 1, ke.msg);
-        } else if (c->disposition == M3_DISP_PASSED && (best_i < 0 || c->median_us < best)) {
-          best = c->median_us;
-          best_i = q;
+        } else {
+          double ev = 0;
+          if ((ks = m3_tune_time_kernel(rt, j->op, st, k, warmup, reps, best_ev, c, &ev, &ke)) != M3_OK) {
+            c->disposition = M3_DISP_LAUNCH_ERROR;
+            snprintf(reasons[q], sizeof reasons[q], "%.*s", (int)sizeof reasons[q] - 1, ke.msg);
+          } else {
+            if (kq) kq[q] = k;
+            if (c->disposition == M3_DISP_PASSED && (best_ev <= 0 || ev < best_ev)) best_ev = ev;
+            if (c->disposition == M3_DISP_PASSED && (best_i < 0 || c->median_us < best)) {
+              best = c->median_us;
+              best_i = q;
+            }
+          }
         }
         if (reasons[q][0]) c->reason = reasons[q];
       }
       if (!c->reason && cj->reason[0]) c->reason = cj->reason;
       progress(o->progress, ++done, nc, t0);
     }
+    /* The default against the winner, re-timed back to back (default,
+     * winner, default, winner; each keeps its faster pass): the sweep timed
+     * them minutes apart, in an order that favours neither, and clocks and
+     * L2 state drift in between.  Both the 2% rule and the reported speedup
+     * use these times.  A default skipped as 3x slower gets its full timing
+     * here too. */
+    if (kq && def_i >= 0 && best_i >= 0 && def_i != best_i && kq[def_i] && kq[best_i] &&
+        (cs[def_i].disposition == M3_DISP_PASSED || cs[def_i].disposition == M3_DISP_SKIPPED_SLOWER)) {
+      m3_tune_candidate again[2][2];
+      const int who[2] = {def_i, best_i};
+      m3_err ke;
+      int ok = 1;
+      for (int round = 0; round < 2 && ok; round++)
+        for (int w = 0; w < 2 && ok; w++)
+          ok = m3_tune_time_kernel(rt, j->op, st, kq[who[w]], warmup, reps, 0, &again[round][w], NULL, &ke) == M3_OK &&
+               again[round][w].disposition == M3_DISP_PASSED;
+      if (ok) {
+        for (int w = 0; w < 2; w++) {
+          const m3_tune_candidate *f = again[0][w].median_us <= again[1][w].median_us ? &again[0][w] : &again[1][w];
+          m3_tune_candidate *c = &cs[who[w]];
+          c->median_us = f->median_us, c->p20_us = f->p20_us, c->p80_us = f->p80_us, c->n_runs = f->n_runs;
+          c->disposition = M3_DISP_PASSED;
+        }
+        best = cs[best_i].median_us;
+      } else {
+        m3_warn("tune: %s %s: re-timing the default against the winner failed: %s", j->op->template_name,
+                j->key.op, ke.msg);
+      }
+    }
+    free(kq);
     double work = (ss == M3_OK && j->op->work) ? j->op->work(st) : 0;
     const char *unit = (ss == M3_OK && j->op->unit_of) ? j->op->unit_of(st) : j->op->unit;
     if (st) j->op->teardown(st); /* a failed setup leaves a partial state */
