@@ -117,6 +117,16 @@ static const adapter_case ADAPTERS[] = {
     {"swiglu", "inter=12288", "tokens=8", "threads=256", "threads=128", 1},
     {"mxfp8", "cols=3072,nmax=1,moe=1", "tokens=4", "warps=8,rpw=1,unroll=4,cvt=alu", "warps=4,rpw=1,unroll=4,cvt=alu"},
     {"mxfp8", "cols=8192,nmax=1,moe=0", "tokens=1", "warps=8,rpw=1,unroll=4,cvt=alu", "warps=8,rpw=1,unroll=4,cvt=hw"},
+    {"rmsnorm", "add=0,f32copy=0", "tokens=1", "threads=256", "threads=512", 1},
+    {"rmsnorm", "add=1,f32copy=0", "tokens=8", "threads=512", "threads=128", 1},
+    {"rmsnorm", "add=1,f32copy=1", "tokens=256", "threads=256", "threads=1024", 1},
+    {"moe_route", "stage=route", "tokens=8", "warps=4", "warps=2", 1},
+    {"moe_route", "stage=group", "tokens=256", "warps=32", "warps=8", 1},
+    {"moe_combine", "rowmap=0", "tokens=1", "threads=256", "threads=128", 1},
+    {"moe_combine", "rowmap=1", "tokens=256", "threads=256", "threads=512", 1},
+    {"embed", "hidden=6144", "tokens=8", "threads=256", "threads=64", 1},
+    {"sample", "mode=greedy", "tokens=1", "threads=1024,cap=4096", "threads=256,cap=4096", 1},
+    {"sample", "mode=top_p", "tokens=8", "threads=1024,cap=4096", "threads=512,cap=1024", 1},
 };
 
 START_TEST(adapter_rejects_broken_candidate) {
