@@ -1,9 +1,14 @@
-/* op_swiglu.c - tuning adapter of templates/swiglu.lua.  The dense MLP looks its
- * kernel up by token count (runtime/forward.c dense_mlp: tokens rounded up to
- * a power of two), so the buckets are decode batches 1 and 8, the default
- * prefill chunk 256 and a 4096-token chunk.  (The MoE layer builds its
- * swiglu, route and combine kernels without a bucket, so the tuning DB is
- * not consulted there: no records are made for it.)
+/* op_swiglu.c - tuning adapter of templates/swiglu.lua.  The runtime looks
+ * its kernel up by the rows of the launch rounded up to a power of two
+ * (bucket "tokens"): the dense MLP's rows are the step's tokens
+ * (runtime/forward.c dense_mlp), the MoE layer's are (token, expert) pairs
+ * (runtime/op_ffn.c m3_moe_forward: top-k per token, plus one per token for
+ * a shared expert as wide as the routed ones at decode, where it rides in
+ * the routed GEMVs; at prefill the shared expert is its own launch of one
+ * row per token).  So the buckets are those rows for decode batches 1 and 8
+ * and prefill chunks of 256 and 4096 tokens: M3's dense MLP (inter 12288)
+ * 1, 8, 256, 4096; its experts (inter 3072, top-4 + a shared expert of the
+ * same width) 8, 64 (decode), 256 (shared), 1024, 4096 (shared), 16384.
  * Inputs: the packed gate|up GEMM output [n, 2I], N(0, 4^2) bf16 so that both
  * clamps (limit 7) are hit, rotating sets; output poisoned.  Verification:
  * bit-exact against m3_ref_swiglu_oai row by row (the launcher's contract,
@@ -29,10 +34,18 @@ typedef struct {
 } sw_state;
 
 static int buckets(const m3_config *c, const m3_variant *v, m3_bucket *out, int max) {
-  static const int64_t t[][2] = {{1, 0}, {8, 0}, {256, 0}, {4096, 0}};
-  static const char *const names[2] = {"tokens", NULL};
-  if (m3_variant_axis_int(v, "inter", 0) != c->dense_intermediate_size) return 0; /* the MoE's: no lookup */
-  return m3_tune_bucket_list(names, t, 4, out, max);
+  const int64_t inter = m3_variant_axis_int(v, "inter", 0), K = c->num_experts_per_tok;
+  const int64_t I = c->intermediate_size, Is = m3_config_shared_width(c);
+  const int moe = m3_config_n_moe_layers(c) > 0, dense = m3_config_n_moe_layers(c) < c->num_hidden_layers;
+  int64_t rows[3 * M3_TUNE_N_STEPS];
+  int n = 0;
+  for (int i = 0; i < M3_TUNE_N_STEPS; i++) {
+    const int64_t T = m3_tune_steps[i], decode = T <= M3_TUNE_DECODE_ROWS;
+    if (dense && inter == c->dense_intermediate_size) rows[n++] = T;
+    if (moe && inter == I) rows[n++] = T * K + (decode && Is == I ? T : 0);
+    if (moe && Is > 0 && inter == Is && !(decode && Is == I)) rows[n++] = T;
+  }
+  return m3_tune_rows_buckets(rows, n, out, max);
 }
 
 static void teardown(void *x) {

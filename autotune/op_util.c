@@ -24,6 +24,34 @@ int m3_tune_bucket_list(const char *const names[2], const int64_t (*vals)[2], in
   return k;
 }
 
+const int64_t m3_tune_steps[M3_TUNE_N_STEPS] = {1, 8, 256, 4096};
+
+int64_t m3_tune_pow2(int64_t x) {
+  int64_t p = 1;
+  while (p < x) p *= 2;
+  return p;
+}
+
+int m3_tune_rows_buckets(const int64_t *rows, int n, m3_bucket *out, int max) {
+  int64_t v[64];
+  int k = 0;
+  for (int i = 0; i < n && k < 64; i++) {
+    const int64_t p = m3_tune_pow2(rows[i]);
+    int j = 0;
+    while (j < k && v[j] != p) j++;
+    if (j == k) v[k++] = p;
+  }
+  for (int i = 1; i < k; i++) /* insertion sort: a handful of values */
+    for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
+      const int64_t t = v[j];
+      v[j] = v[j - 1], v[j - 1] = t;
+    }
+  static const char *const names[2] = {"tokens", NULL};
+  int64_t vals[64][2];
+  for (int i = 0; i < k; i++) vals[i][0] = v[i], vals[i][1] = 0;
+  return m3_tune_bucket_list(names, (const int64_t(*)[2])vals, k, out, max);
+}
+
 m3_status m3_tune_replicate(void *base, size_t set_bytes, int sets, cudaStream_t stream, m3_err *e) {
   for (int r = 1; r < sets; r++)
     M3_CUDA(e, cudaMemcpyAsync((char *)base + (size_t)r * set_bytes, base, set_bytes, cudaMemcpyDeviceToDevice, stream));
@@ -170,4 +198,26 @@ m3_status m3_tune_flush_if_small(int sets, size_t per_set, cudaStream_t stream, 
 m3_status m3_tune_poison_ids(void *p, size_t bytes, cudaStream_t stream, m3_err *e) {
   M3_CUDA(e, cudaMemsetAsync(p, 0x7e, bytes, stream));
   return M3_OK;
+}
+
+m3_status m3_tune_expect_same(const void *dev, const void *ref, size_t bytes, size_t elem_bytes, const char *what,
+                              char *detail, size_t n, m3_err *e) {
+  uint8_t *g = malloc(bytes ? bytes : 1);
+  if (!g) return m3_errf(e, M3_NOMEM, "verify: %zu bytes of %s", bytes, what);
+  m3_status st = m3_dev_download(g, dev, bytes, e);
+  if (!st && memcmp(g, ref, bytes)) {
+    const uint8_t *r = ref;
+    size_t i = 0;
+    while (g[i] == r[i]) i++;
+    i -= i % elem_bytes;
+    uint64_t a = 0, b = 0;
+    memcpy(&a, g + i, elem_bytes);
+    memcpy(&b, r + i, elem_bytes);
+    snprintf(detail, n, "%s: element %zu of %zu differs (got 0x%0*llx, want 0x%0*llx)", what, i / elem_bytes,
+             bytes / elem_bytes, (int)(2 * elem_bytes), (unsigned long long)a, (int)(2 * elem_bytes),
+             (unsigned long long)b);
+    st = M3_MISMATCH;
+  }
+  free(g);
+  return st;
 }

@@ -22,6 +22,23 @@
 /* ceil(M3_TUNE_ROT_BYTES / per_set) clamped to [1, M3_TUNE_MAX_SETS]. */
 int m3_tune_sets(size_t per_set);
 
+/* The steps the token-bucketed adapters tune for: decode batches 1 and 8,
+ * the default prefill chunk (256) and a 4096-token chunk.  A step of at most
+ * M3_TUNE_DECODE_ROWS rows takes the decode path (runtime/forward.c
+ * DECODE_ROWS: GEMVs, the MoE layer without grouping), a larger one the
+ * prefill path. */
+#define M3_TUNE_DECODE_ROWS 8
+#define M3_TUNE_N_STEPS 4
+extern const int64_t m3_tune_steps[M3_TUNE_N_STEPS];
+
+/* The power of two >= x (>= 1): how runtime/forward.c and the MoE layer
+ * bucket a launch's row count. */
+int64_t m3_tune_pow2(int64_t x);
+
+/* Buckets "tokens" = m3_tune_pow2(rows[i]) for i < n, ascending, each once
+ * (<= max).  Returns the count. */
+int m3_tune_rows_buckets(const int64_t *rows, int n, m3_bucket *out, int max);
+
 /* out[i] = {dims[0] = vals[i][0], dims[1] = vals[i][1]} for i < n (<= max);
  * names[1] NULL: one dimension.  Returns the count. */
 int m3_tune_bucket_list(const char *const names[2], const int64_t (*vals)[2], int n, m3_bucket *out, int max);
@@ -91,6 +108,13 @@ void m3_tune_fill_finite(m3_rng *r, void *p, size_t bytes);
 /* Sets * per_set below the rotation span: flush L2 before a launch instead
  * (prepare is untimed). */
 m3_status m3_tune_flush_if_small(int sets, size_t per_set, cudaStream_t stream, m3_err *e);
+
+/* The device bytes [0, bytes) of `dev` against `ref`, bit for bit: M3_OK, or
+ * M3_MISMATCH with "<what>: element i of n differs (got .. want ..)" (elements
+ * of elem_bytes, 1..8, printed in hex) in detail.  Synchronises nothing: the
+ * download does.  Errors: M3_CUDA, M3_NOMEM. */
+m3_status m3_tune_expect_same(const void *dev, const void *ref, size_t bytes, size_t elem_bytes, const char *what,
+                              char *detail, size_t n, m3_err *e);
 
 /* Poison int32 outputs with 0x7e7e7e7e: not a block id, not the -1 padding. */
 m3_status m3_tune_poison_ids(void *p, size_t bytes, cudaStream_t stream, m3_err *e);

@@ -1,16 +1,25 @@
-/* ops_table.c - the tuner's registry of kernel-family adapters.  A family
- * without an adapter here is not tuned: the runtime uses its default tile. */
+/* ops_table.c - the tuner's registry of kernel-family adapters, one per
+ * template: qknorm_rope, index_decode, index_prefill, attn_sparse,
+ * attn_dense, swiglu, mxfp8 (the decode GEMVs), rmsnorm, moe_route,
+ * moe_combine, embed, sample, kv_insert and fill.  An adapter's buckets()
+ * says which variants are tuned at which shapes; kv_insert and fill (never
+ * launched by a forward step), the fused routing stage (no caller), the
+ * mxfp8 dequant (looked up without a shape) and the bf16/fp32 GEMVs (one
+ * launch a step) have none and keep their default tiles. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "autotune/op.h"
 
 extern const m3_tune_op m3_tune_op_qknorm, m3_tune_op_index_decode, m3_tune_op_index_prefill, m3_tune_op_attn_sparse,
-    m3_tune_op_attn_dense, m3_tune_op_swiglu, m3_tune_op_gemv;
+    m3_tune_op_attn_dense, m3_tune_op_swiglu, m3_tune_op_gemv, m3_tune_op_rmsnorm, m3_tune_op_route,
+    m3_tune_op_combine, m3_tune_op_embed, m3_tune_op_sample, m3_tune_op_kv_insert, m3_tune_op_fill;
 
 const m3_tune_op *const m3_tune_ops[] = {&m3_tune_op_qknorm,      &m3_tune_op_index_decode, &m3_tune_op_index_prefill,
                                          &m3_tune_op_attn_sparse, &m3_tune_op_attn_dense,   &m3_tune_op_swiglu,
-                                         &m3_tune_op_gemv,        NULL};
+                                         &m3_tune_op_gemv,        &m3_tune_op_rmsnorm,      &m3_tune_op_route,
+                                         &m3_tune_op_combine,     &m3_tune_op_embed,        &m3_tune_op_sample,
+                                         &m3_tune_op_kv_insert,   &m3_tune_op_fill,         NULL};
 
 const m3_tune_op *m3_tune_op_find(const char *name) {
   for (int i = 0; m3_tune_ops[i]; i++)

@@ -51,8 +51,14 @@ m3_status m3_fill(m3_rt *rt, void *out, int64_t n, const char *dtype, uint64_t s
   snprintf(key, sizeof key, "fill(dtype=%s)", dtype);
   m3_kernel *k;
   M3_TRY(m3_rt_kernel_text(rt, key, NULL, &k, e));
+  return m3_launch_fill(k, out, n, seed_t, sigma, rt->dev.sm_count, stream, e);
+}
+
+m3_status m3_launch_fill(const m3_kernel *k, void *out, int64_t n, uint64_t seed_t, float sigma, int sm_count,
+                         cudaStream_t stream, m3_err *e) {
+  if (n <= 0) return M3_OK;
   long threads = m3_variant_tile_int(&k->key, "threads", 256), vec = m3_variant_tile_int(&k->key, "vec", 4);
-  int64_t blocks = (n + threads * vec - 1) / (threads * vec), cap = (int64_t)rt->dev.sm_count * 16;
+  int64_t blocks = (n + threads * vec - 1) / (threads * vec), cap = (int64_t)sm_count * 16;
   unsigned grid = (unsigned)(blocks < cap ? blocks : cap); /* grid-stride beyond that */
   unsigned long long sd = seed_t;
   void *args[] = {&out, &n, &sd, &sigma};

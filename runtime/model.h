@@ -169,6 +169,11 @@ uint64_t m3_synth_seed(uint64_t seed, const char *name);
  * "bf16", "e4m3" or "f32".  Errors: M3_CUDA, the JIT's. */
 m3_status m3_fill(m3_rt *rt, void *out, int64_t n, const char *dtype, uint64_t seed_t, float sigma,
                   cudaStream_t stream, m3_err *e);
+/* The same with kernel k (a fill key of the tensor's dtype, any tile), on a
+ * GPU of sm_count SMs (the grid is capped there, grid-stride beyond): what
+ * m3_fill launches, for the tuner.  Errors: M3_CUDA. */
+m3_status m3_launch_fill(const m3_kernel *k, void *out, int64_t n, uint64_t seed_t, float sigma, int sm_count,
+                         cudaStream_t stream, m3_err *e);
 
 /* `m3kit run --synthetic-cache`: append n tokens to each of the batch
  * sequences seqs[] of kv without computing them, and fill every page of every

@@ -582,6 +582,18 @@ static m3_status gemm_run(m3_rt *rt, m3_gemm *g, moe_bufs *b, int64_t n, int64_t
   return m3_gemm_bf16(g, n, rows, cols, x, 0, wb, 0, y, 0, e);
 }
 
+/* The layer's kernels by the rows of their launch, rounded up to a power of
+ * two (bucket "tokens", as forward.c buckets its own): the shapes their tuner
+ * adapters time (autotune/op_*.c), so a tuned tile applies here; without a
+ * record, the default. */
+static m3_status kernel_at(m3_rt *rt, const m3_variant *v, int64_t rows, m3_kernel **k, m3_err *e) {
+  int64_t p = 1;
+  while (p < rows) p *= 2;
+  m3_bucket b = {0};
+  M3_TRY(m3_bucket_add(&b, "tokens", p, e));
+  return m3_rt_kernel(rt, v, &b, k, e);
+}
+
 m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_moe_weights *w, m3_moe_ws *ws,
                          const void *m, const float *m32, void *out, int32_t *ids, float *wts, int path,
                          m3_err *e) {
@@ -609,15 +621,19 @@ m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_m
   m3_route_args ra = {.n_tokens = (int)n, .n_experts = (int)E, .topk = (int)K, .renormalize = a->renormalize,
                       .routed_scaling = a->routed_scaling, .logits_bf16 = 0};
   M3_TRY(m3_route_key(&ra, "route", &v, e));
-  M3_TRY(m3_rt_kernel(rt, &v, NULL, &k, e));
+  M3_TRY(kernel_at(rt, &v, n, &k, e));
   M3_TRY(m3_launch_route(k, &ra, b.logits, w->bias, ids, wts, s, e));
 
+  /* Decode: a shared expert as wide as the routed ones rides along as n
+   * more pairs of the routed GEMVs and SwiGLU (below); otherwise it has a
+   * SwiGLU launch of its own, n rows. */
+  const int64_t ns = decode && Is && Is == I ? n : 0;
   m3_kernel *sw, *swsh = NULL;
   M3_TRY(m3_swiglu_key(I, a->alpha, a->limit, a->beta, &v, e));
-  M3_TRY(m3_rt_kernel(rt, &v, NULL, &sw, e));
-  if (Is) {
+  M3_TRY(kernel_at(rt, &v, P + ns, &sw, e));
+  if (Is && !ns) {
     M3_TRY(m3_swiglu_key(Is, a->alpha, a->limit, a->beta, &v, e));
-    M3_TRY(m3_rt_kernel(rt, &v, NULL, &swsh, e));
+    M3_TRY(kernel_at(rt, &v, n, &swsh, e));
   }
 
   const int32_t *rowof = NULL;
@@ -627,7 +643,6 @@ m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_m
      * A shared expert as wide as the routed ones rides along as n more pairs
      * (its weights stream in the same grid: one launch each instead of two
      * GEMVs and a SwiGLU of their own); outputs land in rows P .. P + n - 1. */
-    const int64_t ns = (Is && Is == I) ? n : 0;
     m3_gemv_args ga = {.n = P, .rows = 2 * I, .cols = H, .wfmt = wf, .moe = 1, .xdiv = (int)K, .n_experts = (int)E};
     M3_TRY(m3_gemv_kernel(rt, &ga, &k, e));
     M3_TRY(m3_launch_gemv_moe_shared(k, &ga, m, w->gu_tab, w->gu_scale_tab, ids, w->shared_gu, w->shared_gu_scale,
@@ -648,10 +663,10 @@ m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_m
     /* Group the pairs by expert (stable), gather their rows, run one cuBLAS
      * GEMM per expert on its contiguous block. */
     M3_TRY(m3_moe_group_key((int)K, (int)E, &v, e));
-    M3_TRY(m3_rt_kernel(rt, &v, NULL, &k, e));
+    M3_TRY(kernel_at(rt, &v, n, &k, e)); /* bucketed by tokens: it groups their n * K pairs */
     M3_TRY(m3_launch_moe_group(k, n, (int)K, (int)E, ids, b.counts, b.offsets, b.perm, b.inv, b.tok, b.err, s, e));
     M3_TRY(m3_embed_key((int)H, &v, e));
-    M3_TRY(m3_rt_kernel(rt, &v, NULL, &k, e));
+    M3_TRY(kernel_at(rt, &v, P, &k, e));
     M3_TRY(m3_launch_embed(k, P, (int)H, n, b.tok, m, b.xs, b.err, s, e));
     int32_t *cnt = malloc(sizeof *cnt * (size_t)E);
     if (!cnt) return m3_errf(e, M3_NOMEM, "moe: expert counts");
@@ -689,6 +704,6 @@ m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_m
     rowof = b.inv;
   }
   M3_TRY(m3_combine_key((int)H, (int)K, Is > 0, rowof != NULL, &v, e));
-  M3_TRY(m3_rt_kernel(rt, &v, NULL, &k, e));
+  M3_TRY(kernel_at(rt, &v, n, &k, e));
   return m3_launch_moe_combine(k, n, (int)H, (int)K, b.y, rowof, wts, shared_y, out, s, e);
 }

@@ -262,6 +262,10 @@ void m3_moe_ws_free(m3_moe_ws *ws);
  * scratch first), SwiGLU, combine through the inverse permutation; one sync
  * to read the per-expert counts.  Routing and every rounding point match
  * the reference; GEMM summation order does not (tests: rel. L2 <= 1e-2).
+ * Route, group, gather, SwiGLU and combine kernels come from m3_rt_kernel
+ * with bucket "tokens" = the launch's rows rounded up to a power of two
+ * (route, group, combine: n; gather: n*K; SwiGLU: its pairs), the shapes
+ * `m3kit tune` records them at.
  * Errors: M3_INVAL (shapes, n > ws->max_tokens), M3_CUDA, M3_CUBLAS,
  * M3_RANGE (a bad expert id, which cannot happen with valid weights). */
 m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_moe_weights *w, m3_moe_ws *ws,

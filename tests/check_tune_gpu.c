@@ -7,8 +7,11 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "autotune/op.h"
 #include "autotune/tune.h"
 #include "cache/tunedb.h"
+#include "gen/render.h"
+#include "runtime/model_dims.h"
 #include "runtime/tuning_lookup.h"
 #include "tests/gpu_main.h"
 
@@ -100,8 +103,11 @@ END_TEST
 
 /* One adapter at a tiny bucket with two candidate tiles, the first made
  * wrong by the hook: the tuner runs, rejects it as INCORRECT, and chooses
- * the other one (verified against the reference, so PASSED). */
-typedef struct { const char *op, *variant, *shapes, *broken, *good; int emu; } adapter_case;
+ * the other one (verified against the reference, so PASSED).  `direct`:
+ * a family the runtime never looks up by bucket (its adapter lists none),
+ * so the tuner has no job for it; the test drives the adapter itself at
+ * `shapes` (a bucket) through the same gate. */
+typedef struct { const char *op, *variant, *shapes, *broken, *good; int emu, direct; } adapter_case;
 
 static const adapter_case ADAPTERS[] = {
     {"index_decode", "idxk=bf16", "tokens=1;ctx=8192", "warps=8,depth=2,waves=1,chunk=16,cvt=alu",
@@ -117,7 +123,74 @@ static const adapter_case ADAPTERS[] = {
     {"swiglu", "inter=12288", "tokens=8", "threads=256", "threads=128", 1},
     {"mxfp8", "cols=3072,nmax=1,moe=1", "tokens=4", "warps=8,rpw=1,unroll=4,cvt=alu,pipe=1", "warps=4,rpw=1,unroll=4,cvt=alu,pipe=1"},
     {"mxfp8", "cols=8192,nmax=1,moe=0", "tokens=1", "warps=8,rpw=1,unroll=4,cvt=alu,pipe=1", "warps=8,rpw=1,unroll=2,cvt=hw,pipe=2"},
+    {"swiglu", "inter=3072", "tokens=8", "threads=256", "threads=128", 1}, /* the MoE's: 4 pairs + the shared one */
+    {"rmsnorm", "add=0,f32copy=0", "tokens=1", "threads=256", "threads=512", 1},
+    {"rmsnorm", "add=1,f32copy=0", "tokens=8", "threads=512", "threads=128", 1},
+    {"rmsnorm", "add=1,f32copy=1", "tokens=256", "threads=256", "threads=1024", 1},
+    {"moe_route", "stage=route", "tokens=8", "warps=4", "warps=2", 1},
+    {"moe_route", "stage=group", "tokens=256", "warps=32", "warps=8", 1},
+    {"moe_combine", "rowmap=0", "tokens=1", "threads=256", "threads=128", 1},
+    {"moe_combine", "rowmap=1", "tokens=256", "threads=256", "threads=512", 1},
+    {"embed", "hidden=6144", "tokens=8", "threads=256", "threads=64", 1},
+    {"sample", "mode=greedy", "tokens=1", "threads=1024,cap=4096", "threads=256,cap=4096", 1},
+    {"sample", "mode=top_p", "tokens=8", "threads=1024,cap=4096", "threads=512,cap=1024", 1},
+    {"kv_insert", "kv=e4m3", "tokens=5", "warps=4", "warps=8", 1, 1},
+    {"fill", "dtype=bf16", "elems=70000", "threads=256,vec=4", "threads=128,vec=8", 1, 1},
 };
+
+/* The tuner's gate (tune.c) by hand, for a `direct` case. */
+static void adapter_direct(const adapter_case *c) {
+  const m3_tune_op *op = m3_tune_op_find(c->op);
+  ck_assert_ptr_nonnull(op);
+  m3_config cfg;
+  m3_err e;
+  ck_assert_msg(m3_config_for("minimax-m3", NULL, &cfg, &e) == M3_OK, "%s", e.msg);
+  m3_dims dims;
+  m3_model_dims(&cfg, &dims);
+  m3_variant *vs;
+  int nv, vi = -1;
+  ck_assert_msg(m3_render_variants(g_rt.jit.lua, c->op, &dims, &vs, &nv, &e) == M3_OK, "%s", e.msg);
+  for (int i = 0; i < nv && vi < 0; i++) {
+    char kt[M3_KEY_MAX];
+    m3_variant_print_axes(&vs[i], kt, sizeof kt);
+    if (strstr(kt, c->variant)) vi = i;
+  }
+  ck_assert_msg(vi >= 0, "%s: no variant %s", c->op, c->variant);
+  m3_variant v = vs[vi];
+  free(vs);
+  snprintf(v.arch, sizeof v.arch, "%s", g_rt.dev.arch);
+  m3_bucket bs[32], b;
+  ck_assert_int_eq(op->buckets(&cfg, &v, bs, 32), 0); /* else the tuner case above is the test */
+  ck_assert_msg(m3_bucket_parse(c->shapes, &b, &e) == M3_OK, "%s", e.msg);
+  void *st = NULL;
+  m3_status s = op->setup(&g_rt, &cfg, &v, &b, g_seed, &st, &e);
+  ck_assert_msg(s == M3_OK, "%s setup: %s", c->op, e.msg);
+  const char *tiles[2] = {c->broken, c->good};
+  char hook[160];
+  snprintf(hook, sizeof hook, "broken=%s", c->broken);
+  setenv("M3KIT_TUNE_TEST_HOOK", hook, 1);
+  for (int q = 0; q < 2; q++) {
+    m3_variant t = v;
+    m3_kernel *k;
+    char detail[512] = "";
+    ck_assert_msg(m3_variant_parse_tile(&t, tiles[q], &e) == M3_OK, "%s", e.msg);
+    GPU_CHECK(m3_rt_kernel(&g_rt, &t, &b, &k, &e_));
+    GPU_CHECK(op->prepare(st, 0, &e_));
+    GPU_CHECK(op->launch(st, k, 0, &e_));
+    s = op->verify(st, detail, sizeof detail, &e);
+    printf("  %s %s %s [%s]: %s %s\n", c->op, c->variant, c->shapes, tiles[q], m3_status_name(s), detail);
+    if (q == 0) ck_assert_msg(s == M3_MISMATCH, "%s: the broken tile was not rejected (%s)", c->op, m3_status_name(s));
+    else ck_assert_msg(s == M3_OK, "%s: the good tile failed: %s %s", c->op, detail, s == M3_MISMATCH ? "" : e.msg);
+    for (int rep = 1; rep <= 3; rep++) { /* the timed loop's sets */
+      GPU_CHECK(op->prepare(st, rep, &e_));
+      GPU_CHECK(op->launch(st, k, rep, &e_));
+    }
+    ck_assert_int_eq(cudaStreamSynchronize(g_rt.stream), cudaSuccess);
+  }
+  unsetenv("M3KIT_TUNE_TEST_HOOK");
+  ck_assert(op->work(st) > 0);
+  op->teardown(st);
+}
 
 START_TEST(adapter_rejects_broken_candidate) {
   const adapter_case *c = &ADAPTERS[_i];
@@ -125,6 +198,10 @@ START_TEST(adapter_rejects_broken_candidate) {
    * minutes per candidate on the emulator.  The GPU runs it. */
   if (m3_test_emulated() && !c->emu) {
     printf("  %s %s: skipped on the emulator\n", c->op, c->variant);
+    return;
+  }
+  if (c->direct) {
+    adapter_direct(c);
     return;
   }
   char hook[160], tiles[320], db[300];

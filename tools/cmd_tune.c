@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "m3config.h"
+#include "autotune/op.h"
 #include "autotune/tune.h"
 #include "cache/store.h"
 #include "runtime/tuning_lookup.h"
@@ -22,7 +23,7 @@ static void help(void) {
          "winners with every candidate's timings in <cache>/tuning/<arch>.json.\n\n"
          "  --preset NAME      model config preset (default minimax-m3)\n"
          "  --model DIR        use DIR/config.json\n"
-         "  --only KERNEL      tune one template (m3kit gen --templates lists them)\n"
+         "  --only KERNEL      tune one kernel family (below)\n"
          "  --shapes SPEC      restrict buckets, e.g. 'tokens=1,64'\n"
          "  --budget SECONDS   stop starting new shapes after this long\n"
          "  --reps N           timed launches per candidate (default 20, minimum 20)\n"
@@ -30,6 +31,15 @@ static void help(void) {
          "  --show             print the tuning DB of this GPU's arch (or --arch) and exit\n"
          "  --plot DIR         write PNG plots (gnuplot) of time against tile and exit\n"
          "  --arch SM          arch for --show/--plot without a GPU (default: the GPU's, else sm_90)\n");
+  printf("\nkernel families (one adapter each, autotune/ops_table.c; kv_insert and fill are never\n"
+         "looked up by shape at run time, so they have no shapes to tune):\n ");
+  int col = 1;
+  for (int i = 0; m3_tune_ops[i]; i++) {
+    const int w = (int)strlen(m3_tune_ops[i]->template_name) + 1;
+    if (col + w > 100) printf("\n "), col = 1;
+    col += printf(" %s", m3_tune_ops[i]->template_name);
+  }
+  printf("\n");
 }
 
 extern char **environ;
@@ -168,6 +178,10 @@ int cmd_tune(int argc, char **argv) {
     fprintf(stderr, "m3kit tune: unexpected argument '%s' (m3kit tune --help)\n", argv[optind]);
     return 2;
   }
+  if (o.only && !m3_tune_op_find(o.only)) {
+    fprintf(stderr, "m3kit tune: --only %s: no such kernel family (m3kit tune --help lists them)\n", o.only);
+    return 2;
+  }
   if (show || plot) {
     m3_device d;
     m3_err e;
@@ -194,6 +208,9 @@ int cmd_tune(int argc, char **argv) {
            r->bucket, r->default_us, r->tuned_us, r->default_us / r->tuned_us, r->achieved, r->unit, r->pct, r->tile,
            r->n_passed, r->n_incorrect, r->n_failed, r->n_candidates);
   }
+  if (!s && !res.n_rows)
+    printf("nothing to tune: no variant of this model has a shape the runtime looks it up at%s\n",
+           o.shapes || o.only ? " (among the --only/--shapes selection)" : "");
   printf("copy ceiling %.0f GB/s; %d shapes in %.1f s\n", res.copy_gbs, res.n_rows, res.seconds);
   m3_tune_result_free(&res);
   m3_rt_close(&rt);
