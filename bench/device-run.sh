@@ -56,7 +56,7 @@ if has tests; then
 fi
 if has sanitize; then
   # M3KIT_SMALL=1: the tests' reduced shapes (tests/gpu_main.h).
-  for ent in ${SANITIZE:-./check_qknorm_gpu ./check_indexer_gpu ./check_attention_gpu ./check_ffn_gpu ./check_forward_gpu}; do
+  for ent in ${SANITIZE:-./check_qknorm_gpu ./check_indexer_gpu ./check_attention_gpu ./check_ffn_gpu ./check_forward_gpu ./check_tune_gpu ./check_tp_forward_gpu}; do
     # PROGRAM[:CASE][@TOOL+TOOL]: one CK_RUN_CASE of it, with its own tools
     tools=${SAN_TOOLS:-memcheck racecheck initcheck synccheck}
     case $ent in *@*) tools=$(echo "${ent#*@}" | tr + ' '); ent=${ent%%@*};; esac

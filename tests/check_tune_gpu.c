@@ -22,9 +22,13 @@ static char dbfile[256];
 static void run_tune(const char *hook, m3_tune_result *res) {
   if (hook) setenv("M3KIT_TUNE_TEST_HOOK", hook, 1);
   else unsetenv("M3KIT_TUNE_TEST_HOOK");
-  /* The CPU emulator runs every fiber of every launch: a small bucket there. */
-  m3_tune_opts o = {.preset = "minimax-m3", .only = "qknorm_rope", .shapes = m3_test_emulated() ? "tokens=4" : "tokens=64",
-                    .reps = 20, .db_path = dbfile};
+  /* The CPU emulator runs every fiber of every launch: there a small bucket,
+   * one variant and three tiles (the default, the broken and the slow one:
+   * every candidate is fully timed and graph-timed, minutes each). */
+  const int emu = m3_test_emulated();
+  m3_tune_opts o = {.preset = "minimax-m3", .only = "qknorm_rope", .shapes = emu ? "tokens=4" : "tokens=64",
+                    .variant = emu ? "attn=sparse,insert=1,kv=bf16" : NULL,
+                    .tiles = emu ? "warps=4,hpw=1;warps=8,hpw=1;warps=4,hpw=2" : NULL, .reps = 20, .db_path = dbfile};
   m3_err e;
   ck_assert_msg(m3_tune_run(&g_rt, &o, res, &e) == M3_OK, "%s", e.msg);
   unsetenv("M3KIT_TUNE_TEST_HOOK");
