@@ -373,6 +373,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
       m3_warn("tune: budget of %.0f s reached; %d of %d shapes tuned", o->budget_s, ji, nj);
       break;
     }
+    const double t_shape = now_s();
     void *st = NULL;
     m3_err se;
     m3_status ss = j->op->setup(rt, &cfg, &j->key, &j->bucket, 0x6d336b6974ULL + (uint64_t)ji, &st, &se);
@@ -475,6 +476,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
     double work = (ss == M3_OK && j->op->work) ? j->op->work(st) : 0;
     const char *unit = (ss == M3_OK && j->op->unit_of) ? j->op->unit_of(st) : j->op->unit;
     if (st) j->op->teardown(st); /* a failed setup leaves a partial state */
+    const double shape_s = now_s() - t_shape;
     /* The default stays unless a candidate is >= 2% faster. */
     int choose = best_i;
     if (def_i >= 0 && cs[def_i].disposition == M3_DISP_PASSED && best_i >= 0 &&
@@ -487,6 +489,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
     snprintf(row->default_tile, sizeof row->default_tile, "%s", deftile);
     snprintf(row->unit, sizeof row->unit, "%s", unit);
     row->n_candidates = j->n_cand;
+    row->seconds = shape_s;
     for (int q = 0; q < j->n_cand; q++) {
       row->n_passed += cs[q].disposition == M3_DISP_PASSED;
       row->n_incorrect += cs[q].disposition == M3_DISP_INCORRECT;

@@ -199,15 +199,27 @@ int cmd_tune(int argc, char **argv) {
   if (s) return cli_fail("tune", s, &e);
   m3_tune_result res;
   s = m3_tune_run(&rt, &o, &res, &e);
-  printf("\n%-12s %-58s %-14s %10s %10s %7s %12s %6s  %s\n", "kernel", "variant", "shape", "default_us", "tuned_us",
-         "speedup", "achieved", "%ceil", "tile (candidates passed/incorrect/failed)");
+  printf("\n%-12s %-58s %-14s %10s %10s %7s %12s %6s %7s  %s\n", "kernel", "variant", "shape", "default_us", "tuned_us",
+         "speedup", "achieved", "%ceil", "wall_s", "tile (candidates passed/incorrect/failed)");
   for (int i = 0; i < res.n_rows; i++) {
     m3_tune_row *r = &res.rows[i];
     const char *k = strchr(r->key, '(');
-    printf("%-12s %-58.58s %-14s %10.2f %10.2f %6.2fx %7.0f %s %5.1f%%  %s (%d/%d/%d of %d)\n", r->op, k ? k : r->key,
-           r->bucket, r->default_us, r->tuned_us, r->default_us / r->tuned_us, r->achieved, r->unit, r->pct, r->tile,
-           r->n_passed, r->n_incorrect, r->n_failed, r->n_candidates);
+    printf("%-12s %-58.58s %-14s %10.2f %10.2f %6.2fx %7.0f %s %5.1f%% %7.1f  %s (%d/%d/%d of %d)\n", r->op,
+           k ? k : r->key, r->bucket, r->default_us, r->tuned_us, r->default_us / r->tuned_us, r->achieved, r->unit,
+           r->pct, r->seconds, r->tile, r->n_passed, r->n_incorrect, r->n_failed, r->n_candidates);
   }
+  /* Where a tune's time goes, per family (the 10-minute budget of a full tune). */
+  for (int i = 0; i < res.n_rows; i++) {
+    int first = 1;
+    for (int q = 0; q < i && first; q++) first = strcmp(res.rows[q].op, res.rows[i].op) != 0;
+    if (!first) continue;
+    double sum = 0;
+    int n = 0;
+    for (int q = i; q < res.n_rows; q++)
+      if (!strcmp(res.rows[q].op, res.rows[i].op)) sum += res.rows[q].seconds, n++;
+    printf("%s%s %.1f s (%d shapes)", i ? ", " : "time per family: ", res.rows[i].op, sum, n);
+  }
+  if (res.n_rows) printf("\n");
   if (!s && !res.n_rows)
     printf("nothing to tune: no variant of this model has a shape the runtime looks it up at%s\n",
            o.shapes || o.only ? " (among the --only/--shapes selection)" : "");
