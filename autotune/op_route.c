@@ -130,7 +130,11 @@ static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, con
 
 static m3_status prepare(void *x, int rep, m3_err *e) {
   rt_state *s = x;
-  if (rep == 0) M3_CUDA(e, cudaMemsetAsync(s->d_out, 0xff, s->out_b, s->rt->stream));
+  if (rep == 0) {
+    M3_CUDA(e, cudaMemsetAsync(s->d_out, 0xff, s->out_b, s->rt->stream));
+    /* Per candidate: one bad tile's error word must not fail the next ones. */
+    if (s->d_err) M3_CUDA(e, cudaMemsetAsync(s->d_err, 0, sizeof *s->d_err, s->rt->stream));
+  }
   return m3_tune_flush_if_small(s->sets, s->in_b + s->out_b, s->rt->stream, e);
 }
 

@@ -123,22 +123,25 @@ m3_status m3_tune_time_kernel(m3_rt *rt, const m3_tune_op *op, void *st, const m
         break;
       }
       double tmp[8];
-      for (int i = 0; i < batch; i++) {
-        float ms;
-        cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]);
+      for (int i = 0; i < batch && !s; i++) {
+        float ms = 0;
+        if (cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]) != cudaSuccess)
+          s = m3_errf(e, M3_CUDA, "cudaEventElapsedTime: %s", cudaGetErrorString(cudaGetLastError()));
         tmp[i] = ms * 1e3;
       }
+      if (s) break;
       qsort(tmp, (size_t)batch, sizeof *tmp, cmpd);
       if (tmp[batch / 2] > 3 * best_so_far) break;
     }
   }
   if (!s && cudaStreamSynchronize(rt->stream)) s = m3_errf(e, M3_CUDA, "%s", cudaGetErrorString(cudaGetLastError()));
+  for (int i = 0; i < done && !s; i++) {
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]) != cudaSuccess)
+      s = m3_errf(e, M3_CUDA, "cudaEventElapsedTime: %s", cudaGetErrorString(cudaGetLastError()));
+    us[i] = ms * 1e3;
+  }
   if (!s) {
-    for (int i = 0; i < done; i++) {
-      float ms;
-      cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]);
-      us[i] = ms * 1e3;
-    }
     qsort(us, (size_t)done, sizeof *us, cmpd);
     c->median_us = us[done / 2];
     c->p20_us = us[done * 2 / 10];
@@ -181,15 +184,14 @@ typedef struct {
   int first_cand, n_cand;
 } tjob;
 
-static void progress(FILE *f, int done, int total, double t0) {
+static void progress(FILE *f, int done, int total, double t0, double *last_line) {
   if (!f || total == 0) return;
   double el = now_s() - t0, eta = done ? el / done * (total - done) : 0;
   /* Not a terminal (a log file, CI): one line every 10 s instead of a
    * carriage-return redraw per candidate (megabytes of log per tune). */
-  static double last_line = -1e9;
   if (!isatty(fileno(f))) {
-    if (done != total && el - last_line < 10.0) return;
-    last_line = el;
+    if (done != total && el - *last_line < 10.0) return;
+    *last_line = el;
     fprintf(f, "  %d/%d candidates  %4.0fs elapsed  ETA %4.0fs\n", done, total, el, eta);
     fflush(f);
     return;
@@ -366,7 +368,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
 
   /* 3. Per shape: verify then time each candidate; choose; record. */
   int done = 0;
-  double t0 = now_s();
+  double t0 = now_s(), last_line = -1e9; /* the progress line's last print (per run) */
   for (int ji = 0; ji < nj && !s; ji++) {
     tjob *j = &jobs[ji];
     if (o->budget_s > 0 && now_s() - t_start > o->budget_s) {
@@ -441,7 +443,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
         if (reasons[q][0]) c->reason = reasons[q];
       }
       if (!c->reason && cj->reason[0]) c->reason = cj->reason;
-      progress(o->progress, ++done, nc, t0);
+      progress(o->progress, ++done, nc, t0, &last_line);
     }
     /* The default against the winner, re-timed back to back (default,
      * winner, default, winner; each keeps its faster pass): the sweep timed

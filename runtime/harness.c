@@ -94,7 +94,7 @@ m3_cmp m3_cmp_bf16_tol(const m3_bf16 *out, const m3_bf16 *ref, size_t n, double 
     }
     if (!isfinite(o)) {
       c.nonfinite++;
-      if (isfinite(r) || !isnan(r) != !isnan(o)) c.bad++;
+      if (isfinite(r) || !isnan(r) != !isnan(o) || (!isnan(o) && o != r)) c.bad++; /* +Inf for -Inf too */
       continue;
     }
     double d = fabs((double)o - r), u = d / bf16_ulp(r);

@@ -3,7 +3,10 @@
  * comparison against a reference with stated tolerances, and event timing.
  * Tolerances follow METHOD.md: elementwise bf16 ulps where the reference has
  * the same rounding contract; ||out-ref||/||ref|| where bf16 operands are
- * summed in another order.  A NaN or Inf in an output always fails. */
+ * summed in another order.  A NaN or Inf in an output fails wherever the
+ * reference is finite; where the reference itself is non-finite (NaN codes
+ * that must propagate, e.g. MXFP8 dequantisation) the output must be the same
+ * class: NaN for NaN, the same infinity for an infinity. */
 #ifndef M3_HARNESS_H
 #define M3_HARNESS_H
 
