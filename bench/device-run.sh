@@ -1,14 +1,17 @@
 #!/bin/sh
 # device-run.sh - everything one H200 session should measure, in one call:
 #   ./bench/pack-device.sh here, then on the device (carry [".dev"]):
-#   cd .dev && sh device-run.sh [tests] [sanitize] [tune] [tune2] [bench] [bench-insert] [run] [ncu] [torch] [run1m] [tpot] [all]
+#   cd .dev && sh device-run.sh [tests] [sanitize] [tune] [tune2] [bench] [bench-insert] [run] [ncu] [torch] [run1m] [tpot] [tp] [all]
 # Correctness work (tests, sanitizers) runs concurrently: it only needs
 # answers, and a device call is limited to 10 minutes.  Timed work (tune,
 # bench, run, tpot) runs alone, one after the other.  Every log is packed
 # into $OUT/device-run.tar.gz (the device tool returns a few files only) and
 # the one-line results are also in $OUT/summary.txt.
 # Time limits (seconds): T_TEST (each test and sanitizer run, default 280),
-# T_TUNE (480; T_TUNE2 for the second tune; TUNE_ARGS more tune options, e.g. --only mxfp8), T_BENCH (240), T_RUN (150), T_TPOT (300).  TESTS and SANITIZE
+# T_TUNE (480; T_TUNE2 for the second tune; TUNE_ARGS more tune options, e.g. --only mxfp8), T_BENCH (240), T_RUN (150), T_TPOT (300),
+# T_TP (520: the whole tp phase, its test and then tp_tpot.sh in what is left; TP_LIST, TP_CONTEXTS,
+# TP_BATCHES narrow the sweep, TP_ARGS adds tp_tpot.sh options, e.g. "--append --timing-only", TP_PREV an
+# earlier call's tp/ output for --append).  TESTS and SANITIZE
 # narrow the test programs (default: every ./check_*_gpu; the five kernel ones); a SANITIZE entry
 # PROGRAM:CASE sanitizes one test case (CK_RUN_CASE) of it; SAN_TOOLS narrows the tools, PROGRAM[:CASE]@T1+T2
 # gives one entry its own; SAN_ARGS adds compute-sanitizer options (e.g. --print-limit 20).
@@ -132,6 +135,34 @@ if has tpot && [ -f ./tpot_curve.sh ]; then
   sh ./tpot_curve.sh --budget "${T_TPOT:-300}" ${TPOT_CONTEXTS:+--contexts $TPOT_CONTEXTS} ${T_TORCH:+--torch-budget $T_TORCH} --m3kit ./m3kit --out "$OUT/tpot" --breakdown \
     --m3kit-args "--synthetic-cache" > "$L/tpot.log" 2>&1
   log "tpot curve rc=$? at $(elapsed) s: $(tail -n 1 "$L/tpot.log")"
+fi
+if has tp; then
+  # Tensor parallelism (issue 7) over the GPUs of this host, NCCL with
+  # NVLink multicast off (exported above): the TP test first (its NCCL case
+  # runs TP=2, and TP=4 with >= 4 GPUs; on one GPU it prints SKIPPED), then
+  # bench/tp_tpot.sh for N = 2 4 8 capped at the GPUs present, in the rest of
+  # T_TP.  Both alone: the sweep's TPOT and the test's NCCL ranks need every GPU.
+  tp_t0=$(date +%s)
+  tp_budget=${T_TP:-520}
+  # TP_PREV=DIR: an earlier call's tp/ (unpacked from its device-run.tar.gz
+  # into .dev/), so that TP_ARGS=--append merges this call's points into it
+  # ($OUT starts empty on every call).
+  if [ -n "${TP_PREV:-}" ] && [ -d "$TP_PREV" ]; then mkdir -p "$OUT/tp" && cp -r "$TP_PREV"/. "$OUT/tp/"; fi
+  tt=${T_TEST:-280}; [ "$tt" -gt $(( tp_budget - 60 )) ] && tt=$(( tp_budget - 60 ))
+  if [ -x ./check_tp_forward_gpu ]; then
+    timeout "$tt" ./check_tp_forward_gpu > "$L/tp-test.log" 2>&1
+    log "check_tp_forward_gpu rc=$? $(grep -E '^[0-9]+%: Checks' "$L/tp-test.log" | tail -n 1) $(grep -E '^nccl tp [0-9]+: (SKIPPED|NCCL)' "$L/tp-test.log" | tr '\n' ' ')($(( $(date +%s) - tp_t0 )) s)"
+  fi
+  tp_left=$(( tp_budget - ($(date +%s) - tp_t0) ))
+  if [ -f ./tp_tpot.sh ] && [ "$tp_left" -ge 60 ]; then
+    # shellcheck disable=SC2086
+    sh ./tp_tpot.sh --budget "$tp_left" ${TP_LIST:+--tp "$TP_LIST"} ${TP_CONTEXTS:+--contexts "$TP_CONTEXTS"} \
+      ${TP_BATCHES:+--batches "$TP_BATCHES"} ${TP_ARGS:-} --m3kit ./m3kit --out "$OUT/tp" > "$L/tp-tpot.log" 2>&1
+    log "tp tpot rc=$? at $(elapsed) s: $(tail -n 1 "$L/tp-tpot.log")"
+    [ -f "$OUT/tp/tp_tpot.md" ] && cp "$OUT/tp/tp_tpot.md" "$L/"
+  else
+    log "tp tpot skipped: $tp_left s left of T_TP=$tp_budget"
+  fi
 fi
 cp "$OUT/summary.txt" "$L/" 2>/dev/null
 # Everything in one archive (the device tool returns only a few files).

@@ -13,5 +13,5 @@ for t in "$b"/tests/check_*_gpu; do
 done
 cp bench/device-run.sh .dev/
 cp cache/seed/sm_90.json .dev/seed-sm_90.json   # the seed tuning DB (device-run.sh points M3KIT_SEED_DB at it)
-for f in bench/baseline_torch.py bench/tpot_curve.sh; do [ -f "$f" ] && cp "$f" .dev/; done
+for f in bench/baseline_torch.py bench/tpot_curve.sh bench/tp_tpot.sh; do [ -f "$f" ] && cp "$f" .dev/; done
 du -sh .dev

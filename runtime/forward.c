@@ -25,7 +25,7 @@
 #define MAX_GRAPHS 64     /* decode graphs (batch size x context bucket) */
 #define DECODE_ROWS 8     /* at most this many rows use the GEMV (decode) schedules */
 
-typedef struct timing_op { char name[32]; int calls; double ms; } timing_op;
+typedef m3_fwd_op_time timing_op; /* forward.h: the table's public row */
 typedef struct memo { char key[M3_KEY_MAX + 64]; m3_kernel *k; } memo;
 /* One forward step: n rows; decode or prefill schedules of attention and
  * indexer (a decode step of any batch size uses the decode ones: the prefill
@@ -102,6 +102,7 @@ struct m3_forward {
   int64_t vn_max;               /* the largest rank's vocab_n */
   int v0[M3_TP_COMM_MAX], vn[M3_TP_COMM_MAX]; /* every rank's lm_head rows */
   uint64_t n_ar, n_ag;          /* collectives executed */
+  uint64_t n_replays;           /* decode steps replayed from a graph */
 };
 
 
@@ -498,6 +499,7 @@ m3_status m3_forward_decode(m3_forward *f, int n, const int *seqs, const int32_t
     f->n_ar += (uint64_t)gr->n_ar, f->n_ag += (uint64_t)gr->n_ag;
     cudaError_t ce = cudaGraphLaunch(gr->exec, f->s);
     if (ce != cudaSuccess) s = m3_cuda_fail(e, ce, "cudaGraphLaunch", __FILE__, __LINE__);
+    else f->n_replays++;
   } else {
     s = forward_body(f, &st, 0, e);
     if (s != M3_OK) m3_err_prefix(e, "decode step of %d sequences: ", n);
@@ -931,18 +933,40 @@ static m3_status op_end(m3_forward *f, m3_err *e) {
   return M3_OK;
 }
 
+/* Fold the events still pending into the table.  strict: fail on an event
+ * that cannot be read (m3_forward_timing); else skip it (the printer, which
+ * has no error to return). */
+static m3_status fold_events(m3_forward *f, int strict, m3_err *e) {
+  if (!f->n_ev) return M3_OK;
+  cudaError_t ce = cudaStreamSynchronize(f->s);
+  if (ce != cudaSuccess && strict) return m3_cuda_fail(e, ce, "timing: cudaStreamSynchronize", __FILE__, __LINE__);
+  for (int i = 0; i + 1 < f->n_ev; i += 2) {
+    float ms = 0;
+    ce = cudaEventElapsedTime(&ms, f->ev[i], f->ev[i + 1]);
+    if (ce != cudaSuccess) {
+      if (strict) return m3_cuda_fail(e, ce, "timing: cudaEventElapsedTime", __FILE__, __LINE__);
+      continue;
+    }
+    timing_op *t = op_slot(f, f->ev_name[i]);
+    if (t) t->calls++, t->ms += ms;
+  }
+  f->n_ev = 0;
+  return M3_OK;
+}
+
+m3_status m3_forward_timing(m3_forward *f, m3_fwd_op_time *out, int max, int *n, m3_err *e) {
+  *n = 0;
+  M3_TRY(fold_events(f, 1, e));
+  for (int i = 0; i < f->n_ops && i < max; i++) out[(*n)++] = f->ops[i];
+  return M3_OK;
+}
+
+uint64_t m3_forward_graph_replays(const m3_forward *f) { return f->n_replays; }
+
 void m3_forward_print_timing(const m3_forward *fc, FILE *out) {
   m3_forward *f = (m3_forward *)fc; /* folds pending events into the table */
-  if (f->n_ev) {
-    cudaStreamSynchronize(f->s);
-    for (int i = 0; i + 1 < f->n_ev; i += 2) {
-      float ms = 0;
-      if (cudaEventElapsedTime(&ms, f->ev[i], f->ev[i + 1]) != cudaSuccess) continue;
-      timing_op *t = op_slot(f, f->ev_name[i]);
-      if (t) t->calls++, t->ms += ms;
-    }
-    f->n_ev = 0;
-  }
+  m3_err e;
+  fold_events(f, 0, &e);
   double total = 0;
   for (int i = 0; i < f->n_ops; i++) total += f->ops[i].ms;
   if (!f->o.timing) {

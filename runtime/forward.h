@@ -116,6 +116,28 @@ void m3_forward_debug_selection(m3_forward *f, int32_t *capture, const int32_t *
  * (1 a step).  0 without opts.tp.  Either pointer may be NULL. */
 void m3_forward_tp_counts(const m3_forward *f, uint64_t *allreduces, uint64_t *allgathers);
 
+/* Decode steps replayed from a captured CUDA graph so far (0 with graphs
+ * off: opts.use_graph = 0, timing, the numerics check, a debug selection, a
+ * batch above the GEMV rows, or a link whose collectives are not
+ * capturable).  Lets a test assert that graphs really ran. */
+uint64_t m3_forward_graph_replays(const m3_forward *f);
+
+/* One row of the per-op timing table (opts.timing): the op's name as in the
+ * OP(...) wrappers of forward.c ("qkv_proj", "moe", "allreduce", ...), how
+ * many times it ran and its summed event time. */
+typedef struct m3_fwd_op_time {
+  char name[32];
+  int calls;
+  double ms;
+} m3_fwd_op_time;
+
+/* The timing table, in the order the ops first ran: up to max rows into out,
+ * their count into *n (rows beyond max are left out).  Reads back the events
+ * still pending first, so it synchronises f's stream; call it from the
+ * thread that runs f.  Without opts.timing the table is empty.
+ * Errors: M3_CUDA (an event could not be read). */
+m3_status m3_forward_timing(m3_forward *f, m3_fwd_op_time *out, int max, int *n, m3_err *e);
+
 /* Per-op time (events, opts.timing): name, calls, total ms, share. */
 void m3_forward_print_timing(const m3_forward *f, FILE *out);
 /* Zero the timing table (e.g. after the prefill, to time decode alone). */

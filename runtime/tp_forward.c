@@ -21,7 +21,7 @@
 #include "runtime/kernels.h"
 #include "runtime/op_ffn.h"
 
-enum { CMD_NONE, CMD_OPEN, CMD_PREFILL, CMD_DECODE, CMD_QUIT };
+enum { CMD_NONE, CMD_OPEN, CMD_PREFILL, CMD_DECODE, CMD_FILL, CMD_TIMING, CMD_QUIT };
 
 typedef struct rank {
   struct m3_tp_group *g;
@@ -42,6 +42,8 @@ typedef struct rank {
   float *logits;               /* [max_batch, V] host (ranks > 0, when logits are asked for) */
   double load_s;
   int32_t *sel_cap, *sel_ovr;  /* m3_tp_debug_selection in the rank's layout [L][nkv_r][n][topk] */
+  m3_fwd_op_time *tm;          /* CMD_TIMING: where this rank writes its table (max rows) */
+  int *tm_n;
 } rank;
 
 struct m3_tp_group {
@@ -57,6 +59,9 @@ struct m3_tp_group {
   const int32_t *ids;
   const m3_sampling *smp;
   float *logits;               /* the caller's (rank 0 writes it) */
+  int fill_n;                  /* CMD_FILL: tokens per sequence */
+  uint64_t fill_seed;
+  int tm_max;                  /* CMD_TIMING: rows per rank */
   /* backends */
   m3_tp_comm nccl;
   int nccl_init, nccl_aborted;
@@ -122,6 +127,10 @@ static m3_status rank_run(m3_tp_group *g, rank *k, int cmd, m3_err *e) {
     case CMD_OPEN: return rank_open(g, k, e);
     case CMD_PREFILL: return m3_forward_prefill(k->f, g->seq, g->n, g->ids, g->smp, k->next, lg, e);
     case CMD_DECODE: return m3_forward_decode(k->f, g->n, g->seqs, g->ids, g->smp, k->next, lg, e);
+    /* the rank's own stream and device: the fill and the event read-back
+     * are CUDA calls, which only the rank's thread makes */
+    case CMD_FILL: return m3_kv_fill_synthetic(&k->rt, &k->kv, g->seqs, g->n, g->fill_n, g->fill_seed, e);
+    case CMD_TIMING: return m3_forward_timing(k->f, k->tm, g->tm_max, k->tm_n, e);
     case CMD_QUIT: rank_free(k); return M3_OK;
     default: return M3_OK;
   }
@@ -419,6 +428,54 @@ m3_status m3_tp_decode(m3_tp_group *g, int n, const int *seqs, const int32_t *id
   return s;
 }
 
+m3_status m3_tp_fill_synthetic(m3_tp_group *g, const int *seqs, int batch, int n, uint64_t seed, m3_err *e) {
+  M3_TRY(usable(g, e));
+  if (n < 1 || batch < 1 || !seqs)
+    return m3_errf(e, M3_INVAL, "tensor parallel: synthetic cache of %d tokens for %d sequences", n, batch);
+  pthread_mutex_lock(&g->mu);
+  m3_status s = M3_OK;
+  /* the checks m3_kv_append makes, once on the host, so that no rank appends
+   * when one would refuse (rank 0's tables stand for every rank's: admit
+   * keeps them equal) */
+  const m3_kv_cache *kv = &g->ranks[0].kv;
+  for (int i = 0; i < batch && s == M3_OK; i++) {
+    const int q = seqs[i];
+    if (q < 0 || q >= kv->plan.max_seqs || !kv->admitted[q])
+      s = m3_errf(e, M3_INVAL, "tensor parallel: synthetic cache: sequence %d is not admitted", q);
+    else if (kv->seq_lens[q] + (int64_t)n > kv->admitted[q])
+      s = m3_errf(e, M3_CAPACITY, "tensor parallel: synthetic cache: sequence %d holds %d tokens, %d more exceed the "
+                  "%lld it was admitted with", q, kv->seq_lens[q], n, (long long)kv->admitted[q]);
+    for (int j = 0; j < i && s == M3_OK; j++)
+      if (seqs[j] == q) s = m3_errf(e, M3_INVAL, "tensor parallel: synthetic cache: sequence %d appears twice", q);
+  }
+  if (s == M3_OK) {
+    g->seqs = seqs, g->n = batch, g->fill_n = n, g->fill_seed = seed;
+    s = run_all(g, CMD_FILL, e);
+  }
+  pthread_mutex_unlock(&g->mu);
+  return s;
+}
+
+m3_status m3_tp_timing(m3_tp_group *g, m3_fwd_op_time *out, int max, int *n, m3_err *e) {
+  M3_TRY(usable(g, e));
+  pthread_mutex_lock(&g->mu);
+  g->tm_max = max;
+  for (int r = 0; r < g->tp; r++) {
+    g->ranks[r].tm = out + (size_t)r * (size_t)max;
+    g->ranks[r].tm_n = &n[r];
+    n[r] = 0;
+  }
+  const m3_status s = run_all(g, CMD_TIMING, e);
+  pthread_mutex_unlock(&g->mu);
+  return s;
+}
+
+void m3_tp_reset_timing(m3_tp_group *g) {
+  pthread_mutex_lock(&g->mu); /* the ranks are idle: the tables are host fields */
+  for (int r = 0; r < g->tp; r++) m3_forward_reset_timing(g->ranks[r].f);
+  pthread_mutex_unlock(&g->mu);
+}
+
 m3_status m3_tp_info(const m3_tp_group *gc, int r, m3_tp_rank_info *out, m3_err *e) {
   m3_tp_group *g = (m3_tp_group *)gc; /* the lock, not the state, is mutated */
   if (r < 0 || r >= g->tp) return m3_errf(e, M3_INVAL, "tensor parallel: rank %d of %d", r, g->tp);
@@ -431,6 +488,7 @@ m3_status m3_tp_info(const m3_tp_group *gc, int r, m3_tp_rank_info *out, m3_err 
   out->kv_bytes = k->kv.plan.bytes;
   out->kv_bytes_per_token = k->kv.plan.bytes_per_token;
   m3_forward_tp_counts(k->f, &out->allreduces, &out->allgathers);
+  out->graph_replays = m3_forward_graph_replays(k->f);
   out->load_s = k->load_s;
   snprintf(out->source, sizeof out->source, "%s", k->m->source);
   pthread_mutex_unlock(&g->mu);

@@ -81,6 +81,32 @@ m3_status m3_tp_prefill(m3_tp_group *g, int seq, int n, const int32_t *ids, cons
 m3_status m3_tp_decode(m3_tp_group *g, int n, const int *seqs, const int32_t *ids, const m3_sampling *smp,
                        int32_t *next, float *logits, m3_err *e);
 
+/* `m3kit run --tp N --synthetic-cache`: m3_kv_fill_synthetic on every rank's
+ * cache, on the rank's own thread and device: each of the batch sequences
+ * seqs[] gets n more tokens on every rank (the same lengths and slots
+ * everywhere), and every rank fills its KV cache (its KV heads) and its
+ * whole index-K cache with the same seed.  The same seed is what keeps the
+ * ranks consistent with one model: the fill is counter-based, so the
+ * replicated index-K head holds the same bits on every rank, as does a KV
+ * head held by several ranks (tp > nkv).  Checked on the host first (the
+ * sequences admitted, n more tokens within what each was admitted with), so
+ * a bad call changes no rank.  Errors: M3_INVAL (n < 1, a sequence not
+ * admitted, the group unusable), M3_CAPACITY, a rank's error of
+ * m3_kv_fill_synthetic prefixed "rank R: " (then, if other ranks filled,
+ * the group is unusable as after any partial failure). */
+m3_status m3_tp_fill_synthetic(m3_tp_group *g, const int *seqs, int batch, int n, uint64_t seed, m3_err *e);
+
+/* Every rank's per-op timing table (opts.fwd.timing; m3_forward_timing),
+ * each read back by the rank's own thread: rank r's rows are
+ * out[r * max ...], n[r] of them (n has tp entries).  A collective's row on
+ * a rank times the rank's wait for the slowest one too (its events bracket
+ * the call on the rank's stream), which is what a step pays for it.
+ * Errors: M3_INVAL (the group is unusable), a rank's M3_CUDA. */
+m3_status m3_tp_timing(m3_tp_group *g, m3_fwd_op_time *out, int max, int *n, m3_err *e);
+/* Zero every rank's timing table (m3_forward_reset_timing), e.g. between
+ * the prefill and the decode steps.  Errors: none. */
+void m3_tp_reset_timing(m3_tp_group *g);
+
 /* Test hook: m3_forward_debug_selection on every rank, in the WHOLE model's
  * layout, host [L][nkv][n][topk] int32 for a call of n tokens (forward.h):
  *   override  each rank attends over its KV heads' rows of it;
@@ -99,6 +125,7 @@ typedef struct m3_tp_rank_info {
   uint64_t kv_bytes;           /* its KV + index-K caches */
   uint64_t kv_bytes_per_token; /* its caches per token (§9.3 under TP) */
   uint64_t allreduces, allgathers; /* collectives executed so far (m3_forward_tp_counts) */
+  uint64_t graph_replays;      /* decode steps replayed from CUDA graphs (m3_forward_graph_replays) */
   double load_s;               /* time to open its device, model, cache and forward */
   char source[160];            /* its model's m3_model.source */
 } m3_tp_rank_info;

@@ -68,16 +68,19 @@ m3_status m3_tp_plan(const m3_config *c, int tp, int rank, m3_tp_rank *o, m3_err
    * bf16, routers fp32 (spec §8, §9.2), norms bf16. */
   const double lw = strcmp(c->quant_method, "mxfp8") ? 2.0 : 1.0 + 1.0 / 32.0;
   const double H = c->hidden_size, D = c->head_dim, ID = c->sparse_index_dim, E = c->num_local_experts;
-  double b = 2.0 * c->vocab_size * H + 2.0 * o->vocab_n * H + 2.0 * H;
+  double b = 2.0 * c->vocab_size * H + 2.0 * o->vocab_n * H + 2.0 * H, x = 0;
   for (int l = 0; l < c->num_hidden_layers; l++) {
     b += lw * H * (o->n_q_heads * D + 2.0 * o->n_kv_heads * D) + lw * H * o->n_q_heads * D + 2.0 * (2 * H + 2 * D);
     if (c->is_sparse[l]) b += lw * H * (o->n_kv_heads * ID + ID) + 2.0 * 2 * ID; /* index_q by KV head, index_k whole */
-    if (c->is_moe[l])
+    if (c->is_moe[l]) {
       b += lw * 3.0 * H * (E * o->moe_n + o->shared_n) + 4.0 * E * H + (c->use_routing_bias ? 4.0 * E : 0.0);
+      x += lw * 3.0 * H * o->moe_n;
+    }
     else
       b += lw * 3.0 * H * o->dense_n;
   }
   o->weight_bytes = (uint64_t)b;
+  o->expert_bytes = (uint64_t)x;
   o->kv_bytes_per_token = m3_tp_kv_bytes_per_token(c, tp, 2, 2);
   return M3_OK;
 }

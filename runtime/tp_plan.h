@@ -51,7 +51,11 @@ typedef struct m3_tp_rank {
   int shared_i0, shared_n;      /* slice of the shared expert's intermediate (0 wide: none) */
   int vocab0, vocab_n;          /* lm_head rows */
   int allreduce_per_layer;      /* 2: after o_proj, after the MLP / MoE */
-  uint64_t weight_bytes;        /* this rank's weights at the config's storage (MXFP8: 1 + 1/32 B, else 2 B) */
+  uint64_t weight_bytes;        /* this rank's weights at the config's storage (MXFP8: 1 + 1/32 B, else 2 B),
+                                   every routed expert resident */
+  uint64_t expert_bytes;        /* this rank's slice of one routed expert (w1, w3, w2) summed over the MoE
+                                   layers: a synthetic model with R of E experts resident (m3kit run
+                                   --resident-experts R) holds weight_bytes - (E - R) * expert_bytes */
   uint64_t kv_bytes_per_token;  /* KV + index-K cache bytes per token on this rank (bf16 caches) */
 } m3_tp_rank;
 

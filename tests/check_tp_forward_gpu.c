@@ -33,6 +33,20 @@
  * columns, gate/up row pairs, lm_head rows, replicated norms and router),
  * bf16 and MXFP8 checkpoints (values and E8M0 scales), and synthetic MXFP8
  * weights with 2 KV heads over 4 ranks (each KV head replicated on 2).
+ * NCCL (one GPU a rank, decode graphs on): TP=2, and TP=4 with >= 4 GPUs, run
+ * the same teacher-forced calls with the same checks; then a "free" run, a
+ * prompt of PROMPT_FREE tokens short enough that every sparse layer selects
+ * every block (context <= top-k x block), so no selection is overridden and
+ * decode steps replay CUDA graphs (asserted), against a plain run of the
+ * same prompt with the same checks but the indexer agreement.  With fewer
+ * GPUs, or no loadable libnccl, the case prints "SKIPPED (why)" and passes
+ * without checking (check has no per-test skip), so the program still runs
+ * on one GPU and on the emulator, where the free run goes through the local
+ * backend instead (graphs off there: asserted too).
+ * Synthetic cache (m3_tp_fill_synthetic, `m3kit run --tp --synthetic-cache`):
+ * refusals change no rank; two sequences filled on 2 ranks decode together
+ * with finite logits that differ between them (their caches are read), and
+ * every rank's timing table (m3_tp_timing) counts its collectives.
  * Refusals: a rank count the config cannot cut names the field; a bad token
  * id is M3_RANGE before any rank runs and the group stays usable.  Failure:
  * a rank failing mid-step (a NaN only it holds, numerics check on) wakes the
@@ -57,6 +71,10 @@ GPU_TEST_GLOBALS
 /* decode steps: 8 on a GPU, 3 on the CPU emulator */
 static int n_steps(void) { return m3_test_emulated() ? 3 : MAXSTEPS; }
 #define NCALLS (NCHUNK + MAXSTEPS) /* prefill calls, then decode steps */
+/* The free run's prompt: with the decode steps it stays within top-k x block
+ * (4 x 16 = 64) tokens, so every block is selected and no override is needed. */
+#define PROMPT_FREE 48
+#define NCHUNK_FREE ((PROMPT_FREE + CHUNK - 1) / CHUNK)
 
 static m3_config cfg;
 static fwd_ckpt ck;
@@ -67,6 +85,9 @@ static float *plain_lg;
 static int32_t plain_tok[NCALLS];
 static int32_t *plain_sel;
 static size_t sel_per_call;
+/* The plain run of the free prompt (PROMPT_FREE tokens), no hooks. */
+static float *free_lg;
+static int32_t free_tok[NCALLS];
 
 /* The small config with widths every tp in {1, 2, 4} cuts (and nkv KV /
  * index heads), validated through the loader. */
@@ -83,13 +104,21 @@ static m3_status tp_config(m3_config *c, int nkv, m3_err *e) {
   return s;
 }
 
-static int n_calls(void) { return NCHUNK + n_steps(); }
-static int call_tokens(int i) { return i < NCHUNK ? (PROMPT - i * CHUNK < CHUNK ? PROMPT - i * CHUNK : CHUNK) : 1; }
+/* A run: its prompt length, its prefill calls of CHUNK tokens, then n_steps() decode steps. */
+static int n_chunks(int prompt) { return (prompt + CHUNK - 1) / CHUNK; }
+static int n_calls_of(int prompt) { return n_chunks(prompt) + n_steps(); }
+static int call_tokens_of(int prompt, int i) {
+  return i < n_chunks(prompt) ? (prompt - i * CHUNK < CHUNK ? prompt - i * CHUNK : CHUNK) : 1;
+}
+static int n_calls(void) { return n_calls_of(PROMPT); }
+static int call_tokens(int i) { return call_tokens_of(PROMPT, i); }
 
 static void teardown(void) {
   free(plain_lg);
   free(plain_sel);
+  free(free_lg);
   plain_lg = NULL;
+  free_lg = NULL;
   fwd_ckpt_close(&ck);
 }
 
@@ -106,7 +135,8 @@ static void setup(void) {
   sel_per_call = (size_t)cfg.num_hidden_layers * cfg.num_key_value_heads * CHUNK * cfg.sparse_topk_blocks;
   plain_lg = calloc((size_t)NCALLS * V, sizeof(float));
   plain_sel = calloc(NCALLS * sel_per_call, sizeof(int32_t));
-  ck_assert(plain_lg && plain_sel);
+  free_lg = calloc((size_t)NCALLS * V, sizeof(float));
+  ck_assert(plain_lg && plain_sel && free_lg);
 
   m3_model *m;
   m3_model_opts mo = {.dir = ck.dir};
@@ -128,6 +158,18 @@ static void setup(void) {
                              : m3_forward_decode(f, 1, &seq, &plain_tok[i - 1], NULL, &plain_tok[i],
                                                  plain_lg + (size_t)i * V, &e);
     ck_assert_msg(s == M3_OK, "plain call %d: %s", i, e.msg);
+  }
+  /* the free prompt (the same ids' first PROMPT_FREE), without hooks */
+  m3_forward_debug_selection(f, NULL, NULL);
+  m3_kv_release(&kv, seq);
+  ck_assert_msg(m3_kv_admit(&kv, PROMPT_FREE + MAXSTEPS + 1, &seq, &e) == M3_OK, "%s", e.msg);
+  for (int i = 0; i < n_calls_of(PROMPT_FREE); i++) {
+    const int n = call_tokens_of(PROMPT_FREE, i);
+    m3_status s = i < NCHUNK_FREE ? m3_forward_prefill(f, seq, n, prompt + i * CHUNK, NULL, &free_tok[i],
+                                                       free_lg + (size_t)i * V, &e)
+                                  : m3_forward_decode(f, 1, &seq, &free_tok[i - 1], NULL, &free_tok[i],
+                                                      free_lg + (size_t)i * V, &e);
+    ck_assert_msg(s == M3_OK, "plain free call %d: %s", i, e.msg);
   }
   m3_forward_free(f);
   m3_kv_free(&kv);
@@ -163,21 +205,29 @@ static void sel_agree(const int32_t *a, const int32_t *b, int n, int64_t *rows, 
   }
 }
 
-static void tp_run(int tp) {
+/* One run through the driver.  forced: the long prompt on the plain run's
+ * selection (graphs off: the hook synchronises); else the free prompt, no
+ * hooks, decode graphs on where the backend can capture them. */
+static void tp_run(int tp, m3_tp_backend be, int forced_sel) {
   const int V = cfg.vocab_size, L = cfg.num_hidden_layers;
+  const int P = forced_sel ? PROMPT : PROMPT_FREE, nch = n_chunks(P), calls = n_calls_of(P);
+  const char *bn = be == M3_TP_NCCL ? "nccl" : "local";
+  const float *ref_lg = forced_sel ? plain_lg : free_lg;
+  const int32_t *ref_tok = forced_sel ? plain_tok : free_tok;
   m3_err e = {0};
-  m3_tp_opts o = {.tp = tp, .backend = M3_TP_LOCAL, .model = {.dir = ck.dir},
+  m3_tp_opts o = {.tp = tp, .backend = be, .model = {.dir = ck.dir},
                   .kv = {.max_seqs = 1, .max_ctx = PROMPT + MAXSTEPS + 1}, .fwd = m3_fwd_defaults()};
   o.fwd.max_chunk = CHUNK;
   m3_tp_group *g;
-  ck_assert_msg(m3_tp_open(&o, &g, &e) == M3_OK, "tp %d: %s", tp, e.msg);
+  ck_assert_msg(m3_tp_open(&o, &g, &e) == M3_OK, "tp %d %s: %s", tp, bn, e.msg);
   ck_assert_int_eq(m3_tp_ranks(g), tp);
   for (int r = 0; r < tp; r++) {
     m3_tp_rank_info ri;
     ck_assert_int_eq(m3_tp_info(g, r, &ri, &e), M3_OK);
     ck_assert_uint_eq(ri.kv_bytes_per_token, m3_tp_kv_bytes_per_token(&cfg, tp, 2, 2));
-    printf("tp %d rank %d: device %d, %llu weight bytes (peak %llu while loading), %llu B/token of cache\n", tp, r,
-           ri.device, (unsigned long long)ri.weight_bytes, (unsigned long long)ri.peak_bytes,
+    if (be == M3_TP_NCCL) ck_assert_int_eq(ri.device, r); /* one GPU a rank */
+    printf("tp %d %s rank %d: device %d, %llu weight bytes (peak %llu while loading), %llu B/token of cache\n", tp,
+           bn, r, ri.device, (unsigned long long)ri.weight_bytes, (unsigned long long)ri.peak_bytes,
            (unsigned long long)ri.kv_bytes_per_token);
   }
   int seq;
@@ -186,40 +236,40 @@ static void tp_run(int tp) {
   int32_t bad[2] = {1, cfg.vocab_size};
   ck_assert_int_eq(m3_tp_prefill(g, seq, 2, bad, NULL, NULL, NULL, &e), M3_RANGE);
 
-  const int forced = tp > 1;
+  const int forced = tp > 1 && forced_sel;
   int32_t *cap = calloc(sel_per_call, sizeof(int32_t));
   float *lg = malloc(sizeof(float) * V);
   int decided = 0, ties = 0;
   int64_t rows = 0, same = 0;
-  for (int i = 0; i < n_calls(); i++) {
-    const int n = call_tokens(i);
+  for (int i = 0; i < calls; i++) {
+    const int n = call_tokens_of(P, i);
     const int32_t *ovr = plain_sel + (size_t)i * sel_per_call;
     if (forced) m3_tp_debug_selection(g, cap, ovr);
     int32_t tok = -1;
-    m3_status s = i < NCHUNK ? m3_tp_prefill(g, seq, n, prompt + i * CHUNK, NULL, &tok, lg, &e)
-                             : m3_tp_decode(g, 1, &seq, &plain_tok[i - 1], NULL, &tok, lg, &e);
-    ck_assert_msg(s == M3_OK, "tp %d call %d: %s", tp, i, e.msg);
+    m3_status s = i < nch ? m3_tp_prefill(g, seq, n, prompt + i * CHUNK, NULL, &tok, lg, &e)
+                          : m3_tp_decode(g, 1, &seq, &ref_tok[i - 1], NULL, &tok, lg, &e);
+    ck_assert_msg(s == M3_OK, "tp %d %s call %d: %s", tp, bn, i, e.msg);
     for (int r = 0; r < tp; r++)
-      ck_assert_msg(m3_tp_rank_tokens(g, r)[0] == tok, "tp %d call %d: rank %d chose %d, rank 0 %d", tp, i, r,
+      ck_assert_msg(m3_tp_rank_tokens(g, r)[0] == tok, "tp %d %s call %d: rank %d chose %d, rank 0 %d", tp, bn, i, r,
                     m3_tp_rank_tokens(g, r)[0], tok);
-    const float *ref = plain_lg + (size_t)i * V;
+    const float *ref = ref_lg + (size_t)i * V;
     const double rel = fwd_rel_l2(lg, ref, (size_t)V), dmax = fwd_max_abs(lg, ref, (size_t)V);
     const double margin = margin_top2(ref, V);
     if (forced) sel_agree(cap, ovr, n, &rows, &same);
-    printf("tp %d %s %d: rel %.2e, max|d| %.2e, token plain %d tp %d, margin %.3g%s\n", tp,
-           i < NCHUNK ? "prefill chunk" : "decode step", i < NCHUNK ? i : i - NCHUNK + 1, rel, dmax, plain_tok[i], tok,
-           margin, margin > 2 * dmax ? "" : " (near-tie)");
+    printf("tp %d %s%s %s %d: rel %.2e, max|d| %.2e, token plain %d tp %d, margin %.3g%s\n", tp, bn,
+           forced_sel ? "" : " free", i < nch ? "prefill chunk" : "decode step", i < nch ? i : i - nch + 1, rel, dmax,
+           ref_tok[i], tok, margin, margin > 2 * dmax ? "" : " (near-tie)");
     if (tp == 1) { /* the same kernels on the same bits, on another thread and context */
       ck_assert_msg(memcmp(lg, ref, sizeof(float) * V) == 0, "tp 1 call %d: logits differ from plain m3_forward "
                     "(rel %g)", i, rel);
-      ck_assert_int_eq(tok, plain_tok[i]);
+      ck_assert_int_eq(tok, ref_tok[i]);
       continue;
     }
-    ck_assert_msg(rel <= 2e-2, "tp %d call %d: logits rel L2 %g > 2e-2 (max |diff| %g)", tp, i, rel, dmax);
+    ck_assert_msg(rel <= 2e-2, "tp %d %s call %d: logits rel L2 %g > 2e-2 (max |diff| %g)", tp, bn, i, rel, dmax);
     if (margin > 2 * dmax) {
       decided++;
-      ck_assert_msg(tok == plain_tok[i], "tp %d call %d: token %d, plain %d with margin %g > 2 x %g", tp, i, tok,
-                    plain_tok[i], margin, dmax);
+      ck_assert_msg(tok == ref_tok[i], "tp %d %s call %d: token %d, plain %d with margin %g > 2 x %g", tp, bn, i, tok,
+                    ref_tok[i], margin, dmax);
     } else {
       ties++;
     }
@@ -227,19 +277,35 @@ static void tp_run(int tp) {
   if (forced) {
     m3_tp_debug_selection(g, NULL, NULL);
     const double agree = rows ? (double)same / rows : 1.0;
-    printf("tp %d: %d calls, %d decided by margin, %d near-ties; the ranks' indexers agree with plain on %lld of "
-           "%lld rows (%.2f%%)\n", tp, n_calls(), decided, ties, (long long)same, (long long)rows, 100 * agree);
-    ck_assert_msg(agree >= 0.97, "tp %d: the ranks' indexers agree with plain on %.2f%% < 97%% of rows", tp, 100 * agree);
+    printf("tp %d %s: %d calls, %d decided by margin, %d near-ties; the ranks' indexers agree with plain on %lld of "
+           "%lld rows (%.2f%%)\n", tp, bn, calls, decided, ties, (long long)same, (long long)rows, 100 * agree);
+    ck_assert_msg(agree >= 0.97, "tp %d %s: the ranks' indexers agree with plain on %.2f%% < 97%% of rows", tp, bn,
+                  100 * agree);
+  } else if (tp > 1) {
+    printf("tp %d %s free: %d calls, %d decided by margin, %d near-ties\n", tp, bn, calls, decided, ties);
   }
-  /* 2 all-reduces a layer and 1 logits all-gather per call, on every rank */
+  /* 2 all-reduces a layer and 1 logits all-gather per call, on every rank
+   * (graph replays included); decode graphs replayed exactly where the link
+   * can capture them (NCCL) and nothing overrides the selection: every
+   * decode step after the first (which runs eagerly and captures) */
   for (int r = 0; r < tp; r++) {
     m3_tp_rank_info ri;
     ck_assert_int_eq(m3_tp_info(g, r, &ri, &e), M3_OK);
-    const uint64_t want_ar = tp > 1 ? (uint64_t)(2 * L * n_calls()) : 0, want_ag = tp > 1 ? (uint64_t)n_calls() : 0;
+    const uint64_t want_ar = tp > 1 ? (uint64_t)(2 * L * calls) : 0, want_ag = tp > 1 ? (uint64_t)calls : 0;
     ck_assert_msg(ri.allreduces == want_ar && ri.allgathers == want_ag,
-                  "tp %d rank %d: %llu all-reduces, %llu all-gathers; want %llu, %llu", tp, r,
+                  "tp %d %s rank %d: %llu all-reduces, %llu all-gathers; want %llu, %llu", tp, bn, r,
                   (unsigned long long)ri.allreduces, (unsigned long long)ri.allgathers, (unsigned long long)want_ar,
                   (unsigned long long)want_ag);
+    const int graphed = !forced && (tp == 1 || be == M3_TP_NCCL);
+    printf("tp %d %s rank %d: %llu decode steps replayed from graphs\n", tp, bn, r,
+           (unsigned long long)ri.graph_replays);
+    if (graphed)
+      ck_assert_msg(ri.graph_replays >= 1 && ri.graph_replays <= (uint64_t)(n_steps() - 1),
+                    "tp %d %s rank %d: %llu of %d decode steps replayed from graphs", tp, bn, r,
+                    (unsigned long long)ri.graph_replays, n_steps());
+    else
+      ck_assert_msg(ri.graph_replays == 0, "tp %d %s rank %d: %llu graph replays with graphs off", tp, bn, r,
+                    (unsigned long long)ri.graph_replays);
   }
   free(cap);
   free(lg);
@@ -248,7 +314,99 @@ static void tp_run(int tp) {
 
 START_TEST(tp_matches_single_gpu) {
   static const int tps[3] = {1, 2, 4};
-  tp_run(tps[_i]);
+  tp_run(tps[_i], M3_TP_LOCAL, 1);
+}
+END_TEST
+
+/* The free prompt through 2 local ranks: the free run's checks, which the
+ * NCCL case makes with graphs on, here with the local backend's graphs off
+ * (it runs on one GPU and on the emulator). */
+START_TEST(tp_free_local) { tp_run(2, M3_TP_LOCAL, 0); }
+END_TEST
+
+/* NCCL: one GPU a rank.  SKIPPED (printed, passing) without the GPUs or the
+ * library: check has no per-test skip, and the program must still pass on
+ * one GPU and on the emulator. */
+START_TEST(tp_nccl) {
+  const int tp = _i == 0 ? 2 : 4, have = m3_gpu_count();
+  if (have < tp) {
+    printf("nccl tp %d: SKIPPED (%d GPU%s: NCCL puts each rank on its own GPU)\n", tp, have, have == 1 ? "" : "s");
+    return;
+  }
+  m3_tp_comm c;
+  m3_err e = {0};
+  if (m3_tp_comm_load(&c, &e) != M3_OK) {
+    printf("nccl tp %d: SKIPPED (libnccl cannot be loaded: %s)\n", tp, e.msg);
+    return;
+  }
+  printf("nccl tp %d: NCCL %d (%s) over %d of %d GPUs\n", tp, c.version, c.lib, tp, have);
+  tp_run(tp, M3_TP_NCCL, 1); /* the local cases' run and checks */
+  tp_run(tp, M3_TP_NCCL, 0); /* decode graphs on */
+}
+END_TEST
+
+/* m3_tp_fill_synthetic: 2 ranks, 2 sequences of SYN tokens each, then decode
+ * steps of both together with timing on (`m3kit run --tp 2 --synthetic-cache
+ * --timing --batch 2`). */
+START_TEST(tp_synthetic_cache) {
+  enum { SYN = 40, STEPS = 2 };
+  const int V = cfg.vocab_size, L = cfg.num_hidden_layers;
+  m3_err e = {0};
+  m3_tp_opts o = {.tp = 2, .backend = M3_TP_LOCAL, .model = {.dir = ck.dir},
+                  .kv = {.max_seqs = 2, .max_ctx = SYN + STEPS + 1}, .fwd = m3_fwd_defaults()};
+  o.fwd.max_chunk = CHUNK;
+  o.fwd.max_batch = 2;
+  o.fwd.timing = 1;
+  m3_tp_group *g;
+  ck_assert_msg(m3_tp_open(&o, &g, &e) == M3_OK, "%s", e.msg);
+  int seqs[2];
+  for (int b = 0; b < 2; b++) ck_assert_msg(m3_tp_admit(g, SYN + STEPS, &seqs[b], &e) == M3_OK, "%s", e.msg);
+  /* refusals on the host: no rank appends */
+  ck_assert_int_eq(m3_tp_fill_synthetic(g, seqs, 2, SYN + STEPS + 1, 1, &e), M3_CAPACITY);
+  const int notadm[2] = {seqs[0], 5}, twice[2] = {seqs[0], seqs[0]};
+  ck_assert_int_eq(m3_tp_fill_synthetic(g, notadm, 2, 1, 1, &e), M3_INVAL);
+  ck_assert_int_eq(m3_tp_fill_synthetic(g, twice, 2, 1, 1, &e), M3_INVAL);
+  ck_assert_int_eq(m3_tp_fill_synthetic(g, seqs, 2, 0, 1, &e), M3_INVAL);
+  ck_assert_msg(m3_tp_fill_synthetic(g, seqs, 2, SYN, g_seed, &e) == M3_OK, "%s", e.msg);
+  /* exactly SYN + STEPS fit: had a refused call appended, a step would not */
+  float *lg = malloc(sizeof(float) * 2 * V);
+  ck_assert_ptr_nonnull(lg);
+  int32_t ids[2] = {3, 3}, next[2];
+  for (int step = 0; step < STEPS; step++) {
+    ck_assert_msg(m3_tp_decode(g, 2, seqs, ids, NULL, next, lg, &e) == M3_OK, "step %d: %s", step, e.msg);
+    int finite = 1;
+    for (int i = 0; i < 2 * V; i++) finite &= isfinite(lg[i]) != 0;
+    ck_assert_msg(finite, "step %d: non-finite logits", step);
+    /* the same input token over two different synthetic histories */
+    ck_assert_msg(memcmp(lg, lg + V, sizeof(float) * V) != 0, "step %d: both sequences' logits are equal: the "
+                  "synthetic cache is not read", step);
+    printf("synthetic cache tp 2, step %d: tokens %d %d, rel difference of the two rows %.3g\n", step, next[0],
+           next[1], fwd_rel_l2(lg, lg + V, (size_t)V));
+    ids[0] = next[0], ids[1] = next[1];
+  }
+  int32_t over[2] = {1, 1};
+  ck_assert_int_eq(m3_tp_decode(g, 2, seqs, over, NULL, NULL, NULL, &e), M3_CAPACITY);
+  /* every rank's table: 2 all-reduces a layer and one all-gather a step */
+  m3_fwd_op_time t[2][64];
+  int n[2];
+  ck_assert_msg(m3_tp_timing(g, &t[0][0], 64, n, &e) == M3_OK, "%s", e.msg);
+  for (int r = 0; r < 2; r++) {
+    int ar = -1, ag = -1, qkv = -1;
+    for (int i = 0; i < n[r]; i++) {
+      if (!strcmp(t[r][i].name, "allreduce")) ar = t[r][i].calls;
+      if (!strcmp(t[r][i].name, "allgather")) ag = t[r][i].calls;
+      if (!strcmp(t[r][i].name, "qkv_proj")) qkv = t[r][i].calls;
+    }
+    printf("rank %d: %d timed ops; allreduce %d calls, allgather %d, qkv_proj %d\n", r, n[r], ar, ag, qkv);
+    ck_assert_int_eq(ar, 2 * L * STEPS);
+    ck_assert_int_eq(ag, STEPS);
+    ck_assert_int_eq(qkv, L * STEPS);
+  }
+  m3_tp_reset_timing(g);
+  ck_assert_msg(m3_tp_timing(g, &t[0][0], 64, n, &e) == M3_OK, "%s", e.msg);
+  ck_assert_int_eq(n[0] + n[1], 0);
+  free(lg);
+  m3_tp_close(g);
 }
 END_TEST
 
@@ -499,6 +657,9 @@ static Suite *make(void) {
   add(s, "refusals", refusals, 0);
   add(s, "rank_failure", rank_failure_wakes_the_others, 2);
   add(s, "forward", tp_matches_single_gpu, 3);
+  add(s, "free_local", tp_free_local, 0);
+  add(s, "synthetic_cache", tp_synthetic_cache, 0);
+  add(s, "nccl", tp_nccl, 2);
   return s;
 }
 

@@ -103,6 +103,11 @@ START_TEST(weight_bytes_per_rank) {
   ck_assert_msg(r1.weight_bytes > 420e9 && r1.weight_bytes < 470e9, "tp 1: %.1f GB", r1.weight_bytes / 1e9);
   ck_assert(r4.weight_bytes > r1.weight_bytes / 4 && r4.weight_bytes < 141e9);
   ck_assert(r8.weight_bytes > r1.weight_bytes / 8 && r8.weight_bytes < r4.weight_bytes);
+  /* one routed expert's slice over the 57 MoE layers: w1 + w3 + w2 of
+   * 3072 / 4 rows (columns) at 1 + 1/32 B; 128 of them are most of a rank */
+  ck_assert_uint_eq(r4.expert_bytes, 57ull * 3 * 6144 * 768 * 33 / 32);
+  ck_assert_uint_eq(r8.expert_bytes * 2, r4.expert_bytes);
+  ck_assert(128 * r4.expert_bytes < r4.weight_bytes && 128 * r4.expert_bytes > r4.weight_bytes * 9 / 10);
   m3_tp_rank b1;
   ck_assert_int_eq(m3_tp_plan(&m3, 1, 0, &b1, &e), M3_OK); /* the preset itself: bf16 */
   ck_assert(b1.weight_bytes > r1.weight_bytes * 19 / 10);

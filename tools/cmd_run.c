@@ -60,7 +60,10 @@ static void help(void) {
       "  --tp N                   N ranks (1..8), one thread each: q heads, KV heads, every expert's and the\n"
       "                           dense MLP's intermediate and the lm_head's rows split, 2 all-reduces a layer\n"
       "                           and a logits all-gather a step; prints each rank's weight bytes and the\n"
-      "                           collectives run (not with --timing, --graph-breakdown, --synthetic-cache)\n"
+      "                           collectives run.  --synthetic-cache fills every rank's cache (its KV heads,\n"
+      "                           the whole index-K cache); --timing prints rank 0's per-op table and each\n"
+      "                           collective's max over the ranks; not with --graph-breakdown (a rank's\n"
+      "                           collective replayed alone would wait for the others)\n"
       "  --tp-backend nccl|local  nccl (default when N GPUs exist): rank r on GPU r, NCCL collectives, decode\n"
       "                           graphs on; local: the ranks share the GPUs there are and take turns, meeting\n"
       "                           in host memory (graphs off): checks the path on one GPU, no speedup\n"
@@ -188,10 +191,80 @@ static void watch(mem_watch *w) {
 typedef struct run_args {
   const char *model, *preset, *dump;
   const int32_t *prompt1;
-  int plen, max_new, batch, kv8, ix8, resident, chunk, graph, weights, tp, backend;
+  int plen, max_new, batch, kv8, ix8, resident, chunk, graph, weights, tp, backend, timing, synth_cache;
   uint64_t seed;
   float temperature, top_p;
 } run_args;
+
+#define TP_OPS 64 /* rows of a rank's timing table (forward.c's MAX_OPS) */
+
+static double op_ms(const m3_fwd_op_time *t, int n, const char *name, int *calls) {
+  for (int i = 0; i < n; i++)
+    if (!strcmp(t[i].name, name)) {
+      if (calls) *calls = t[i].calls;
+      return t[i].ms;
+    }
+  if (calls) *calls = 0;
+  return 0;
+}
+
+/* --timing under --tp: rank 0's per-op table (ms per step over `steps`
+ * forward calls), then the collectives on every rank.  A collective's event
+ * time on a rank includes its wait for the slowest rank, so the ranks differ
+ * and the max over them is what bounds a step; its share is of that rank's
+ * summed kernel time.  The "allreduce:", "allgather:" and "collectives:"
+ * lines are what bench/tp_tpot.sh reads. */
+static m3_status print_tp_timing(m3_tp_group *g, int tp, int steps, const char *what, m3_err *e) {
+  m3_fwd_op_time *t = malloc(sizeof *t * TP_OPS * (size_t)tp);
+  int n[M3_TP_COMM_MAX] = {0};
+  if (!t) return m3_errf(e, M3_NOMEM, "timing tables");
+  m3_status s = m3_tp_timing(g, t, TP_OPS, n, e);
+  if (s != M3_OK) {
+    free(t);
+    return s;
+  }
+  double tot[M3_TP_COMM_MAX] = {0};
+  for (int r = 0; r < tp; r++)
+    for (int i = 0; i < n[r]; i++) tot[r] += t[(size_t)r * TP_OPS + i].ms;
+  const double ps = steps > 0 ? steps : 1;
+  const int pre = !strcmp(what, "prefill"); /* its "steps" are prefill calls, one a sequence */
+  printf("\n%s breakdown, rank 0 of %d (CUDA events around every op, no graphs; ms/step over %d %s%s):\n", what, tp,
+         steps, pre ? "prefill call" : "decode step", steps == 1 ? "" : "s");
+  printf("  %-14s %8s %12s %10s %7s\n", "op", "calls", "total ms", "ms/step", "share");
+  for (int i = 0; i < n[0]; i++)
+    printf("  %-14s %8d %12.3f %10.4f %6.1f%%\n", t[i].name, t[i].calls, t[i].ms, t[i].ms / ps,
+           tot[0] > 0 ? 100.0 * t[i].ms / tot[0] : 0.0);
+  printf("  %-14s %8s %12.3f %10.4f\n", "all kernels", "", tot[0], tot[0] / ps);
+  if (tp > 1) {
+    printf("collectives over the %d ranks (a rank's event time includes waiting for the slowest rank):\n", tp);
+    double worst_sum = 0, worst_share = 0;
+    int worst_rank = 0;
+    for (int r = 0; r < tp; r++) {
+      const m3_fwd_op_time *tr = t + (size_t)r * TP_OPS;
+      const double c = op_ms(tr, n[r], "allreduce", NULL) + op_ms(tr, n[r], "allgather", NULL);
+      if (c > worst_sum) worst_sum = c, worst_rank = r, worst_share = tot[r] > 0 ? 100.0 * c / tot[r] : 0;
+    }
+    static const char *const names[2] = {"allreduce", "allgather"};
+    for (int k = 0; k < 2; k++) {
+      double mx = -1, r0 = 0, mn = 0;
+      int at = 0, calls = 0;
+      for (int r = 0; r < tp; r++) {
+        int cr = 0;
+        const double ms = op_ms(t + (size_t)r * TP_OPS, n[r], names[k], &cr);
+        if (r == 0) r0 = ms, mn = ms, calls = cr;
+        if (ms < mn) mn = ms;
+        if (ms > mx) mx = ms, at = r;
+      }
+      printf("  %s: max over ranks %.4f ms/step (rank %d), %.1f%% of the step; rank 0 %.4f, min %.4f ms/step; "
+             "%d calls a rank\n", names[k], mx / ps, at, tot[at] > 0 ? 100.0 * mx / tot[at] : 0.0, r0 / ps, mn / ps,
+             calls);
+    }
+    printf("  collectives: max over ranks %.4f ms/step (rank %d), %.1f%% of the step\n", worst_sum / ps, worst_rank,
+           worst_share);
+  }
+  free(t);
+  return M3_OK;
+}
 
 static int run_tp(const run_args *a) {
   m3_err e = {0};
@@ -208,6 +281,7 @@ static int run_tp(const run_args *a) {
   o.fwd.max_batch = a->batch;
   o.fwd.max_chunk = a->chunk;
   o.fwd.use_graph = a->graph;
+  o.fwd.timing = a->timing;
   {
     m3_config cc;
     if ((s = m3_config_for(a->preset, a->model, &cc, &e)) != M3_OK) return cli_fail("run", s, &e);
@@ -225,9 +299,10 @@ static int run_tp(const run_args *a) {
   for (int r = 0; r < a->tp; r++) {
     m3_tp_rank_info ri;
     if ((s = m3_tp_info(g, r, &ri, &e)) != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
-    printf("  rank %d on GPU %d: %s; %.3f GB of weights (peak %.3f GB while loading), KV cache %.3f GB (%llu B/token)\n",
-           r, ri.device, ri.source, ri.weight_bytes / 1e9, ri.peak_bytes / 1e9, ri.kv_bytes / 1e9,
-           (unsigned long long)ri.kv_bytes_per_token);
+    printf("  rank %d on GPU %d: %s; %.3f GB of weights (peak %.3f GB while loading), KV cache %.3f GB (%llu B/token, "
+           "KV %s, index-K %s)\n", r, ri.device, ri.source, ri.weight_bytes / 1e9, ri.peak_bytes / 1e9,
+           ri.kv_bytes / 1e9, (unsigned long long)ri.kv_bytes_per_token, a->kv8 ? "e4m3" : "bf16",
+           a->ix8 ? "e4m3" : "bf16");
   }
   prompts = malloc(sizeof *prompts * (size_t)a->batch * (size_t)a->plen);
   gen = malloc(sizeof *gen * (size_t)a->batch * (size_t)a->max_new);
@@ -246,17 +321,33 @@ static int run_tp(const run_args *a) {
   for (int b = 0; b < a->batch; b++)
     if ((s = m3_tp_admit(g, total, &seqs[b], &e)) != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
   m3_sampling smp = {a->temperature, a->top_p, a->seed, 0};
+  int pre = 0; /* prompt tokens whose cache entries are synthetic (not computed), as the single-GPU run */
+  if (a->synth_cache && a->plen > 1) {
+    if ((s = m3_tp_fill_synthetic(g, seqs, a->batch, a->plen - 1, a->seed, &e)) != M3_OK) {
+      rc = cli_fail("run", s, &e);
+      goto out;
+    }
+    pre = a->plen - 1;
+    printf("synthetic cache: %d tokens per sequence filled with random values on every rank (its KV heads, the whole "
+           "index-K cache; no prefill computed for them)\n", pre);
+  }
   double t0 = now_s();
   for (int b = 0; b < a->batch; b++) {
-    s = m3_tp_prefill(g, seqs[b], a->plen, prompts + (size_t)b * a->plen, &smp, &next[b],
+    s = m3_tp_prefill(g, seqs[b], a->plen - pre, prompts + (size_t)b * a->plen + pre, &smp, &next[b],
                       logits ? logits + (size_t)b * V : NULL, &e);
     if (s != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
     gen[(size_t)b * a->max_new] = next[b];
   }
   const double ttft = now_s() - t0;
+  if (a->timing) {
+    if ((s = print_tp_timing(g, a->tp, a->batch, "prefill", &e)) != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
+    m3_tp_reset_timing(g);
+  }
   double t1 = now_s(), t_first = 0;
   for (int step = 1; step < a->max_new; step++) {
-    if (step == 2) t_first = now_s() - t1, t1 = now_s(); /* the first step captures graphs: apart */
+    /* The first decode step of a shape runs eagerly and captures its graph
+     * (one-time work): timed apart from TPOT, as the single-GPU run. */
+    if (step == 2) t_first = now_s() - t1, t1 = now_s();
     smp.step = (uint64_t)step;
     memcpy(in, next, sizeof *in * (size_t)a->batch);
     s = m3_tp_decode(g, a->batch, seqs, in, &smp, next, logits ? logits + (size_t)step * a->batch * V : NULL, &e);
@@ -272,17 +363,23 @@ static int run_tp(const run_args *a) {
   const int steps = a->max_new - 1, timed = steps >= 2 ? steps - 1 : steps;
   printf("prompt %d tokens x %d sequences, %d new tokens each; every rank chose the same tokens\n", a->plen, a->batch,
          a->max_new);
-  printf("TTFT %.2f ms (prefill of %d x %d tokens, %.0f tokens/s)\n", ttft * 1e3, a->batch, a->plen,
-         a->batch * a->plen / (ttft > 0 ? ttft : 1e-9));
+  printf("TTFT %.2f ms (prefill of %d x %d tokens, %.0f tokens/s)%s\n", ttft * 1e3, a->batch, a->plen - pre,
+         a->batch * (a->plen - pre) / (ttft > 0 ? ttft : 1e-9), pre ? " after the synthetic cache" : "");
   if (steps > 0)
     printf("TPOT %.3f ms (mean of %d decode steps at batch %d%s), %.1f tokens/s\n", tdec * 1e3 / timed, timed,
            a->batch, steps >= 2 ? ", after the first" : "", (double)timed * a->batch / (tdec > 0 ? tdec : 1e-9));
-  if (steps >= 2) printf("first decode step %.2f ms\n", t_first * 1e3);
-  {
-    m3_tp_rank_info ri;
-    if (m3_tp_info(g, 0, &ri, &e) == M3_OK)
-      printf("collectives per rank: %llu all-reduces (2 a layer a forward step), %llu logits all-gathers (1 a "
-             "step)\n", (unsigned long long)ri.allreduces, (unsigned long long)ri.allgathers);
+  m3_tp_rank_info ri0 = {0};
+  if ((s = m3_tp_info(g, 0, &ri0, &e)) != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
+  if (steps >= 2)
+    printf("first decode step %.2f ms (%s)\n", t_first * 1e3,
+           ri0.graph_replays ? "eager launches + CUDA graph capture, once per batch size and context bucket"
+                             : "kernel builds on first use");
+  printf("collectives per rank: %llu all-reduces (2 a layer a forward step), %llu logits all-gathers (1 a step); "
+         "%llu decode steps replayed from CUDA graphs\n", (unsigned long long)ri0.allreduces,
+         (unsigned long long)ri0.allgathers, (unsigned long long)ri0.graph_replays);
+  if (a->timing && (s = print_tp_timing(g, a->tp, steps, "decode", &e)) != M3_OK) {
+    rc = cli_fail("run", s, &e);
+    goto out;
   }
   if (a->dump) {
     int64_t shape[3] = {a->max_new, a->batch, V};
@@ -385,8 +482,13 @@ int cmd_run(int argc, char **argv) {
     return 2;
   }
   if (tp_backend >= 0 && !tp) { fprintf(stderr, "m3kit run: --tp-backend goes with --tp N\n"); return 2; }
-  if (tp && (timing || breakdown || synth_cache)) {
-    fprintf(stderr, "m3kit run: --timing, --graph-breakdown and --synthetic-cache are single-GPU runs: not with --tp\n");
+  if (tp && breakdown) {
+    /* It replays each op's launches of a step alone; a rank's collective
+     * replayed alone waits for the other ranks, which would all have to
+     * replay the same op together (not implemented). */
+    fprintf(stderr, "m3kit run: --graph-breakdown is not available with --tp: it replays each op's launches alone, and "
+                    "one rank's all-reduce replayed alone waits for the other ranks (they would have to replay the "
+                    "same op together); --timing gives every rank's per-op event times instead\n");
     return 2;
   }
   if (!model && !preset) preset = "tiny";
@@ -466,7 +568,7 @@ int cmd_run(int argc, char **argv) {
     run_args ra = {.model = model, .preset = preset, .prompt1 = prompt1, .plen = plen, .max_new = max_new,
                    .batch = batch, .kv8 = kv8, .ix8 = ix8, .resident = resident, .chunk = chunk, .graph = graph,
                    .weights = weights, .seed = seed, .temperature = temperature, .top_p = top_p, .dump = dump,
-                   .tp = tp, .backend = tp_backend};
+                   .tp = tp, .backend = tp_backend, .timing = timing, .synth_cache = synth_cache};
     int rc = run_tp(&ra);
     free(prompt1);
     return rc;
