@@ -78,6 +78,10 @@ m3_status m3_tp_comm_init(m3_tp_comm *c, int n_ranks, m3_err *e) {
     return m3_errf(e, M3_CUDA, "tensor parallel over %d GPUs: this machine has %d (%s)", n_ranks,
                    ce == cudaSuccess ? have : 0, ce == cudaSuccess ? "cudaGetDeviceCount" : cudaGetErrorString(ce));
   setenv("NCCL_NVLS_ENABLE", "0", 0); /* multicast off unless the caller chose otherwise */
+  /* Connections made at init, not inside a rank's first collective: an
+   * enqueue then never blocks on a peer while holding its enq lock, so an
+   * abort can always take the locks. */
+  setenv("NCCL_RUNTIME_CONNECT", "0", 0);
   int devs[M3_TP_COMM_MAX];
   for (int i = 0; i < n_ranks; i++) devs[i] = i;
   ncclComm_t comms[M3_TP_COMM_MAX];
@@ -85,6 +89,12 @@ m3_status m3_tp_comm_init(m3_tp_comm *c, int n_ranks, m3_err *e) {
   if (r != ncclSuccess) return m3_errf(e, M3_CUDA, "ncclCommInitAll(%d ranks): %s", n_ranks, nccl_err(r));
   for (int i = 0; i < n_ranks; i++) c->comms[i] = comms[i];
   c->n_ranks = n_ranks;
+  c->aborted = 0;
+  for (; c->n_enq < n_ranks; c->n_enq++)
+    if (pthread_mutex_init(&c->enq[c->n_enq], NULL)) {
+      m3_tp_comm_free(c);
+      return m3_errf(e, M3_NOMEM, "tensor parallel: pthread_mutex_init");
+    }
   return M3_OK;
 }
 
@@ -101,16 +111,36 @@ m3_status m3_tp_allreduce_f32(m3_tp_comm *c, float *const *buf, size_t n, cudaSt
 }
 
 void m3_tp_comm_abort(m3_tp_comm *c) {
+  __atomic_store_n(&c->aborted, 1, __ATOMIC_RELEASE);
+  for (int i = 0; i < c->n_enq; i++) pthread_mutex_lock(&c->enq[i]);
   for (int i = 0; i < c->n_ranks; i++)
     if (c->comms[i] && N.CommAbort) N.CommAbort((ncclComm_t)c->comms[i]);
   memset(c->comms, 0, sizeof c->comms);
   c->n_ranks = 0;
+  for (int i = 0; i < c->n_enq; i++) pthread_mutex_unlock(&c->enq[i]);
 }
 
 void m3_tp_comm_free(m3_tp_comm *c) {
   for (int i = 0; i < c->n_ranks; i++)
     if (c->comms[i] && N.CommDestroy) N.CommDestroy((ncclComm_t)c->comms[i]);
   c->n_ranks = 0;
+  for (int i = 0; i < c->n_enq; i++) pthread_mutex_destroy(&c->enq[i]);
+  c->n_enq = 0;
+}
+
+/* Enter / leave rank r's enqueue section; 0 when the group was aborted (the
+ * link gives up with the abort's error instead of touching NCCL). */
+static int enq_begin(m3_tp_link *l) {
+  pthread_mutex_lock(&l->comm->enq[l->rank]);
+  if (!__atomic_load_n(&l->comm->aborted, __ATOMIC_ACQUIRE)) return 1;
+  pthread_mutex_unlock(&l->comm->enq[l->rank]);
+  l->gave_up = 1;
+  return 0;
+}
+static void enq_end(m3_tp_link *l, ncclResult_t r) {
+  pthread_mutex_unlock(&l->comm->enq[l->rank]);
+  /* An error once the group is aborted is the abort's, not this rank's. */
+  if (r != ncclSuccess && __atomic_load_n(&l->comm->aborted, __ATOMIC_ACQUIRE)) l->gave_up = 1;
 }
 
 m3_status m3_tp_link_nccl(m3_tp_comm *c, int rank, m3_tp_link *out, m3_err *e) {
@@ -121,12 +151,14 @@ m3_status m3_tp_link_nccl(m3_tp_comm *c, int rank, m3_tp_link *out, m3_err *e) {
     return m3_errf(e, M3_UNSUPPORTED, "NCCL %d.%d.%d (%s) has no bf16 all-reduce: NCCL >= 2.10 needed",
                    c->version / 10000, c->version / 100 % 100, c->version % 100, c->lib);
   *out = (m3_tp_link){.backend = M3_TP_NCCL, .rank = rank, .n_ranks = c->n_ranks, .capturable = 1,
-                      .nccl = c->comms[rank]};
+                      .nccl = c->comms[rank], .comm = c};
   return M3_OK;
 }
 
 static m3_status nccl_allreduce_bf16(m3_tp_link *l, void *buf, size_t n, cudaStream_t s, m3_err *e) {
+  if (!enq_begin(l)) return m3_errf(e, M3_CUDA, "rank %d: the group was aborted (another rank failed)", l->rank);
   ncclResult_t r = N.AllReduce(buf, buf, n, ncclBfloat16, ncclSum, (ncclComm_t)l->nccl, s);
+  enq_end(l, r);
   if (r != ncclSuccess)
     return m3_errf(e, M3_CUDA, "rank %d: ncclAllReduce of %zu bf16: %s", l->rank, n, nccl_err(r));
   return M3_OK;
@@ -134,7 +166,9 @@ static m3_status nccl_allreduce_bf16(m3_tp_link *l, void *buf, size_t n, cudaStr
 
 static m3_status nccl_allgather_f32(m3_tp_link *l, const float *send, float *recv, size_t n, cudaStream_t s,
                                     m3_err *e) {
+  if (!enq_begin(l)) return m3_errf(e, M3_CUDA, "rank %d: the group was aborted (another rank failed)", l->rank);
   ncclResult_t r = N.AllGather(send, recv, n, ncclFloat32, (ncclComm_t)l->nccl, s);
+  enq_end(l, r);
   if (r != ncclSuccess)
     return m3_errf(e, M3_CUDA, "rank %d: ncclAllGather of %zu floats: %s", l->rank, n, nccl_err(r));
   return M3_OK;

@@ -58,6 +58,14 @@ typedef struct m3_tp_comm {
   int version;                   /* NCCL_VERSION_CODE of the loaded library, e.g. 22805 */
   char lib[512];                 /* the path that loaded */
   void *comms[M3_TP_COMM_MAX];   /* ncclComm_t per rank */
+  /* Abort safety: a rank enqueues on its communicator only under enq[rank]
+   * and only while `aborted` is 0; m3_tp_comm_abort sets it and takes every
+   * enq[] before ncclCommAbort, so no rank ever calls into a communicator
+   * that is being (or has been) aborted, and NCCL never sees one
+   * communicator used from two threads at once. */
+  int aborted;
+  int n_enq;                     /* enq[0 .. n_enq) initialised */
+  pthread_mutex_t enq[M3_TP_COMM_MAX];
 } m3_tp_comm;
 
 /* Load NCCL and read its version; no GPU needed.  Errors: M3_UNSUPPORTED
@@ -77,7 +85,12 @@ m3_status m3_tp_allreduce_f32(m3_tp_comm *c, float *const *buf, size_t n, cudaSt
 
 /* Abort every communicator (ncclCommAbort): collectives in flight return
  * and the communicators are gone (n_ranks becomes 0).  For a group whose
- * rank failed mid-step.  Safe from any thread. */
+ * rank failed mid-step.  From any thread: it sets the group's abort flag,
+ * then takes every rank's enqueue lock before aborting, so a rank is never
+ * inside an NCCL call on a communicator being aborted, and every later
+ * collective of a link returns the abort's error (link.gave_up = 1) without
+ * calling NCCL.  (NCCL_RUNTIME_CONNECT=0, set at init, keeps an enqueue from
+ * waiting on a peer while it holds its lock.) */
 void m3_tp_comm_abort(m3_tp_comm *c);
 
 void m3_tp_comm_free(m3_tp_comm *c);
@@ -107,6 +120,7 @@ typedef struct m3_tp_link {
   int rank, n_ranks;
   int capturable;       /* 1: the collectives may be captured into CUDA graphs (NCCL) */
   void *nccl;           /* this rank's ncclComm_t (NCCL) */
+  m3_tp_comm *comm;     /* its group (NCCL): the abort flag and enqueue lock */
   m3_tp_local *local;   /* (local) */
   int gave_up;          /* a collective returned because the group was aborted */
 } m3_tp_link;
@@ -120,7 +134,8 @@ void m3_tp_link_local(m3_tp_local *g, int rank, m3_tp_link *out);
 /* In place: buf [n] bf16 (device, on stream) <- the sum over the ranks of
  * their buf.  NCCL: asynchronous (ncclBfloat16 sum); local: synchronises,
  * sums in fp32 in rank order and rounds to bf16 once (round-to-nearest-even),
- * identical on every rank.  Errors: M3_INVAL (local: the ranks disagree on
+ * identical on every rank (NCCL's ring rounds to bf16 at every step: the
+ * two backends may differ by a few ulps, within bf16 tolerance).  Errors: M3_INVAL (local: the ranks disagree on
  * the collective or its count), M3_NOMEM, M3_CUDA (a CUDA or NCCL call, or
  * the group was aborted). */
 m3_status m3_tp_allreduce_bf16(m3_tp_link *l, void *buf, size_t n, cudaStream_t stream, m3_err *e);

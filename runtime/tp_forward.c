@@ -292,20 +292,31 @@ m3_status m3_tp_admit(m3_tp_group *g, int64_t total_tokens, int *seq, m3_err *e)
   M3_TRY(usable(g, e));
   pthread_mutex_lock(&g->mu); /* the ranks wait for a command: their host tables are ours */
   m3_status s = M3_OK;
-  int r = 0;
-  for (; r < g->tp && s == M3_OK; r++) {
+  int first = -1, held = 0; /* ranks 0 .. held-1 hold sequence `first` */
+  for (int r = 0; r < g->tp && s == M3_OK; r++) {
     int q = -1;
-    s = m3_kv_admit(&g->ranks[r].kv, total_tokens, &q, e);
-    if (s != M3_OK) m3_err_prefix(e, "rank %d: ", r);
-    else if (r == 0) *seq = q;
-    else if (q != *seq) {
-      m3_kv_release(&g->ranks[r].kv, q);
-      s = m3_errf(e, M3_INVAL, "tensor parallel: rank %d admitted sequence %d, rank 0 sequence %d", r, q, *seq);
+    if ((s = m3_kv_admit(&g->ranks[r].kv, total_tokens, &q, e)) != M3_OK) {
+      m3_err_prefix(e, "rank %d: ", r);
+      break;
     }
-    if (s != M3_OK) r--; /* this rank holds nothing of it */
+    if (r == 0) first = q;
+    else if (q != first) {
+      /* The ranks' caches have admitted differently before: they no longer
+       * agree on what a sequence id means. */
+      m3_kv_release(&g->ranks[r].kv, q);
+      s = m3_errf(e, M3_INVAL, "tensor parallel: rank %d admitted sequence %d, rank 0 sequence %d", r, q, first);
+      g->broken = 1;
+      snprintf(g->broken_why, sizeof g->broken_why, "the ranks' KV caches disagree on sequence ids");
+      break;
+    }
+    held = r + 1;
   }
-  if (s != M3_OK)
-    for (int i = 0; i <= r && i < g->tp; i++) m3_kv_release(&g->ranks[i].kv, *seq);
+  if (s != M3_OK) {
+    for (int i = 0; i < held; i++) m3_kv_release(&g->ranks[i].kv, first);
+    *seq = -1;
+  } else {
+    *seq = first;
+  }
   pthread_mutex_unlock(&g->mu);
   return s;
 }

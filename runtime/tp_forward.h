@@ -24,10 +24,11 @@
  * bit-identical rows): M3_MISMATCH otherwise.  Inputs are validated on the
  * host before any rank runs (a bad id is M3_RANGE with every rank's state
  * unchanged).  A rank failing mid-step wakes the others (local: the waiting
- * ranks return; NCCL: the communicators are aborted): if every rank failed
- * the step, each rank has taken it back (forward.h) and the group stays
- * usable; if only some did, their caches differ and the group refuses further
- * calls (close it).
+ * ranks return; NCCL: the communicators are aborted).  Local backend: if
+ * every rank failed the step, each rank has taken it back (forward.h) and the
+ * group stays usable; if only some did, their caches differ and the group
+ * refuses further calls (close it).  NCCL: an aborted group has no
+ * communicators left and always refuses further calls.
  */
 #ifndef M3_TP_FORWARD_H
 #define M3_TP_FORWARD_H

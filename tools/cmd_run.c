@@ -295,7 +295,8 @@ static int run_tp(const run_args *a) {
   const m3_config *cfg = m3_tp_config(g);
   const int V = cfg->vocab_size;
   printf("tensor parallel: %d rank%s, %s backend%s, loaded in %.1f s\n", a->tp, a->tp > 1 ? "s" : "",
-         a->backend == M3_TP_NCCL ? "NCCL" : "local", a->tp == 1 ? " (one rank: no collectives)" : "", t_load);
+         a->backend == M3_TP_NCCL && a->tp > 1 ? "NCCL" : "local", /* one rank never opens NCCL (tp_forward.c) */
+         a->tp == 1 ? " (one rank: no collectives)" : "", t_load);
   for (int r = 0; r < a->tp; r++) {
     m3_tp_rank_info ri;
     if ((s = m3_tp_info(g, r, &ri, &e)) != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
