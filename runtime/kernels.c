@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <xxhash.h>
+
 #include "runtime/check.h"
 #include "runtime/log.h"
 #include "runtime/tuning_lookup.h"
@@ -29,6 +31,8 @@ void m3_rt_close(m3_rt *rt) {
   rt->n_kernels = 0;
   m3_tuning_close(rt->db);
   rt->db = NULL;
+  free(rt->front);
+  rt->front = NULL;
   if (rt->stream) cudaStreamDestroy(rt->stream);
   rt->stream = NULL;
   m3_jit_close(&rt->jit);
@@ -45,8 +49,65 @@ static m3_kernel *memo_find(m3_rt *rt, const m3_variant *v) {
   return NULL;
 }
 
+#define M3_RT_FRONT 1024 /* entries; the model needs ~100 (key, bucket) pairs */
+struct m3_rt_front {
+  uint64_t h;
+  m3_kernel *k;
+  char text[M3_KEY_MAX + 128];
+};
+
+/* The request as text: the key as given (before canon) and the bucket. */
+static uint64_t front_text(const m3_variant *key, const m3_bucket *bucket, char *t, size_t n) {
+  size_t l = m3_variant_print(key, t, n);
+  if (l < n) {
+    t[l++] = '#';
+    t[l] = 0;
+    if (bucket && bucket->ndims) m3_bucket_format(bucket, t + l, n - l);
+  }
+  return XXH3_64bits(t, strlen(t));
+}
+
+static m3_kernel *front_find(m3_rt *rt, uint64_t h, const char *t) {
+  if (!rt->front) return NULL;
+  for (unsigned i = 0; i < M3_RT_FRONT; i++) {
+    const struct m3_rt_front *f = &rt->front[(h + i) % M3_RT_FRONT];
+    if (!f->k) return NULL;
+    if (f->h == h && !strcmp(f->text, t)) return f->k;
+  }
+  return NULL;
+}
+
+static void front_put(m3_rt *rt, uint64_t h, const char *t, m3_kernel *k) {
+  if (!rt->front && !(rt->front = calloc(M3_RT_FRONT, sizeof *rt->front))) return; /* only a cache */
+  for (unsigned i = 0; i < M3_RT_FRONT / 2; i++) { /* a full table just stops caching */
+    struct m3_rt_front *f = &rt->front[(h + i) % M3_RT_FRONT];
+    if (!f->k) {
+      f->h = h, f->k = k;
+      snprintf(f->text, sizeof f->text, "%s", t);
+      return;
+    }
+  }
+}
+
+static m3_status rt_kernel_resolve(m3_rt *rt, const m3_variant *key, const m3_bucket *bucket, m3_kernel **k,
+                                   m3_err *e);
+
 m3_status m3_rt_kernel(m3_rt *rt, const m3_variant *key, const m3_bucket *bucket, m3_kernel **k,
                        m3_err *e) {
+  char t[M3_KEY_MAX + 128];
+  const uint64_t h = front_text(key, bucket, t, sizeof t);
+  m3_kernel *hit = front_find(rt, h, t);
+  if (hit) {
+    *k = hit;
+    return M3_OK;
+  }
+  M3_TRY(rt_kernel_resolve(rt, key, bucket, k, e));
+  front_put(rt, h, t, *k);
+  return M3_OK;
+}
+
+static m3_status rt_kernel_resolve(m3_rt *rt, const m3_variant *key, const m3_bucket *bucket, m3_kernel **k,
+                                   m3_err *e) {
   m3_variant v = *key;
   M3_TRY(m3_render_canon(rt->jit.lua, &v, e));
   if (!v.arch[0]) snprintf(v.arch, sizeof v.arch, "%s", rt->dev.arch);

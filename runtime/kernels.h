@@ -33,6 +33,12 @@ typedef struct m3_rt {
   cudaStream_t stream;
   int n_kernels, cap_kernels;
   m3_kernel **kernels;    /* memo, by full key */
+  /* Front memo: (requested key, bucket) -> kernel, checked before the Lua
+   * canonicalisation, tuning lookup and key scan a resolution costs (~10-40
+   * us; the MoE layer resolves 5 kernels per layer per prefill chunk).  A
+   * pure cache: the answer for a (key, bucket) cannot change while rt is
+   * open (the DB is read once, at open). */
+  struct m3_rt_front *front; /* [M3_RT_FRONT] open addressing, NULL until first use */
 } m3_rt;
 
 /* Open GPU `ordinal`, the JIT and (when present) the tuning DB of this arch
