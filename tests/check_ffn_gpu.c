@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cache/tunedb.h"
+#include "gen/render.h"
 #include "runtime/gemm.h"
 #include "runtime/op_ffn.h"
 #include "tests/gpu_main.h"
@@ -982,7 +984,7 @@ END_TEST
  * non-zeros j/8), so GPU and reference route identically and only the GEMM
  * summation order differs.  A shared expert as wide as the routed ones runs
  * inside the routed GEMVs on the decode path; Is = 128 takes the separate one. */
-static void run_moe(int e4m3, int64_t N, int path, int Is) {
+static void run_moe_rt(m3_rt *rt, int e4m3, int64_t N, int path, int Is) {
   const int H = 512, I = 256, E = 16, K = 4;
   m3_rng r = rng_for((uint64_t)N * 11 + (uint64_t)e4m3 * 3 + (uint64_t)path);
   m3_bf16 *m = malloc(sizeof *m * (size_t)N * H);
@@ -1053,12 +1055,12 @@ static void run_moe(int e4m3, int64_t N, int path, int Is) {
   m3_moe_ws ws;
   GPU_CHECK(m3_moe_ws_alloc(&ws, &a, &mw, N, &e_));
   m3_gemm gm;
-  GPU_CHECK(m3_gemm_open(&gm, g_rt.stream, &e_));
+  GPU_CHECK(m3_gemm_open(&gm, rt->stream, &e_));
   float *m32 = malloc(sizeof *m32 * (size_t)N * H);
   for (int64_t i = 0; i < N * H; i++) m32[i] = m3_bf16_to_f32(m[i]);
   void *d_m = dup(m, sizeof *m * (size_t)N * H), *d_m32 = dup(m32, sizeof *m32 * (size_t)N * H);
   void *d_out = dpoison(sizeof(m3_bf16) * (size_t)N * H), *d_ids = dpoison(4 * (size_t)N * K), *d_w = dpoison(4 * (size_t)N * K);
-  GPU_CHECK(m3_moe_forward(&g_rt, &gm, &a, &mw, &ws, d_m, path == 2 ? d_m32 : NULL, d_out, d_ids, d_w, path, &e_));
+  GPU_CHECK(m3_moe_forward(rt, &gm, &a, &mw, &ws, d_m, path == 2 ? d_m32 : NULL, d_out, d_ids, d_w, path, &e_));
   sync_ok();
   m3_bf16 *out = down(d_out, sizeof *out * (size_t)N * H);
   int32_t *ids = down(d_ids, 4 * (size_t)N * K);
@@ -1085,6 +1087,46 @@ static void run_moe(int e4m3, int64_t N, int path, int Is) {
   free(w1); free(w3); free(w2); free(h_gu); free(h_gus); free(h_dn); free(h_dns);
   free(m); free(m32); free(wg); free(ref); free(ids_ref); free(w_ref); free(out); free(ids); free(wts);
 }
+
+static void run_moe(int e4m3, int64_t N, int path, int Is) { run_moe_rt(&g_rt, e4m3, N, path, Is); }
+
+/* Issue 5's runtime lookup inside the MoE layer: a tuning record for the
+ * router kernel at the bucket a 5-token decode rounds to (tokens=8, as its
+ * adapter tunes it) with a non-default tile is what m3_moe_forward launches.
+ * A runtime of its own: its kernel memo and DB start empty of this shape. */
+START_TEST(moe_uses_tuned_record) {
+  m3_rt rt;
+  m3_err e;
+  ck_assert_msg(m3_rt_open(&rt, 0, &e) == M3_OK, "%s", e.msg);
+  if (!rt.db) ck_assert_ptr_nonnull(rt.db = m3_tunedb_new());
+  m3_route_args ra = {.n_tokens = 5, .n_experts = 16, .topk = 4, .renormalize = 1, .routed_scaling = 2.0f};
+  m3_variant v;
+  ck_assert_msg(m3_route_key(&ra, "route", &v, &e) == M3_OK, "%s", e.msg);
+  ck_assert_msg(m3_render_canon(rt.jit.lua, &v, &e) == M3_OK, "%s", e.msg);
+  char key[M3_KEY_MAX];
+  m3_variant_print_axes(&v, key, sizeof key);
+  m3_tune_record r = m3_tune_record_empty();
+  r.key = key;
+  ck_assert_int_eq(m3_bucket_add(&r.bucket, "tokens", 8, &e), M3_OK);
+  r.arch = rt.dev.arch;
+  r.tile = "warps=2"; /* the default is warps=4 (templates/moe_route.lua) */
+  r.default_tile = "warps=4";
+  r.prov.template_hash = "test";
+  ck_assert_msg(m3_tunedb_put(rt.db, &r, &e) == M3_OK, "%s", e.msg);
+  run_moe_rt(&rt, 1, 5, 1, 256); /* still correct against the reference with the tuned tile */
+  int seen = 0;
+  for (int i = 0; i < rt.n_kernels; i++) {
+    char t[256];
+    if (strcmp(rt.kernels[i]->key.op, "moe_route")) continue;
+    m3_variant_print_tile(&rt.kernels[i]->key, t, sizeof t);
+    ck_assert_msg(rt.kernels[i]->from_tuning && !strcmp(t, "warps=2"), "moe_route ran %s (from tuning: %d)", t,
+                  rt.kernels[i]->from_tuning);
+    seen = 1;
+  }
+  ck_assert_msg(seen, "m3_moe_forward resolved no moe_route kernel");
+  m3_rt_close(&rt);
+}
+END_TEST
 
 START_TEST(moe_end_to_end) {
   /* _i < 8: {mxfp8, bf16} x {decode N=1, decode N=5, prefill N=5, prefill N=33};
@@ -1298,6 +1340,7 @@ static Suite *make(void) {
   tcase_add_test(c[6].tc, gemv_moe_every_tile);
   tcase_add_loop_test(c[6].tc, cublas_gemm, 0, 4);
   tcase_add_loop_test(c[7].tc, moe_end_to_end, 0, 10);
+  tcase_add_test(c[7].tc, moe_uses_tuned_record);
   tcase_add_test(c[8].tc, greedy_matches_reference);
   tcase_add_loop_test(c[8].tc, top_p_matches_reference, 0, 5);
   tcase_add_test(c[8].tc, sample_every_tile);
