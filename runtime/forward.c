@@ -572,6 +572,9 @@ static m3_status dmalloc(void **p, size_t bytes, const char *what, m3_err *e) {
    * but compute-sanitizer's initcheck rightly flags the reads, and garbage
    * could hold NaN bit patterns). */
   M3_CUDA(e, cudaMemset(*p, 0, bytes ? bytes : 16));
+  /* cudaMemset runs on the legacy stream, which does not order against the
+   * non-blocking stream that initialises workspaces right after: finish it. */
+  M3_CUDA(e, cudaDeviceSynchronize());
   return M3_OK;
 }
 
@@ -778,7 +781,8 @@ m3_status m3_forward_create(m3_rt *rt, const m3_model *m, m3_kv_cache *kv, const
     s = m3_moe_ws_alloc(&f->moe_ws, &ma, &f->moe_w[l0], f->rows, e);
   }
   if (s == M3_OK) s = decode_workspaces(f, e);
-  if (s == M3_OK) s = cudaStreamSynchronize(f->s) == cudaSuccess ? M3_OK : m3_errf(e, M3_CUDA, "forward: setup");
+  /* The device, not only f->s: create also issued legacy-stream copies. */
+  if (s == M3_OK) s = cudaDeviceSynchronize() == cudaSuccess ? M3_OK : m3_errf(e, M3_CUDA, "forward: setup");
   if (s != M3_OK) {
     m3_forward_free(f);
     return s;
