@@ -755,12 +755,10 @@ m3_status m3_forward_create(m3_rt *rt, const m3_model *m, m3_kv_cache *kv, const
     }
     ALLOC(f->lg_part, (size_t)f->o.max_batch * (size_t)f->vn_max * 4);
     ALLOC(f->lg_all, (size_t)link_n * (size_t)f->o.max_batch * (size_t)f->vn_max * 4);
-    /* the pad of a block never lands in the logits; zeroed so it is defined */
-    if (s == M3_OK && cudaMemset(f->lg_part, 0, (size_t)f->o.max_batch * (size_t)f->vn_max * 4) != cudaSuccess)
-      s = m3_errf(e, M3_CUDA, "forward: cudaMemset");
+    /* (a block's pad never lands in the logits; dmalloc zeroed it, so it is defined) */
   }
 #undef ALLOC
-  if (s == M3_OK && cudaMemset(f->d_err, 0, 4) != cudaSuccess) s = m3_errf(e, M3_CUDA, "forward: cudaMemset");
+  /* d_err starts at 0: dmalloc zeroes every buffer */
   if (s == M3_OK) {
     void *h;
     if (cudaMallocHost(&h, R * (4 + 4 + 8 + 8)) != cudaSuccess) s = m3_errf(e, M3_CUDA, "forward: cudaMallocHost");
