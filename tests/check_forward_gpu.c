@@ -593,30 +593,18 @@ START_TEST(synthetic_cache_decode) {
 }
 END_TEST
 
-/* One TCase per test (same fixture), so that CK_RUN_CASE runs one of them:
- * compute-sanitizer's racecheck and initcheck of the whole file exceed a
- * device call, one case per process fits (bench/device-run.sh FORWARD_CASES). */
-static void add(Suite *s, const char *name, const TTest *test, int loops) {
-  TCase *t = tcase_create(name);
-  tcase_add_unchecked_fixture(t, setup, NULL);
-  tcase_set_timeout(t, m3_test_emulated() ? 3600 : 600);
-  if (loops) tcase_add_loop_test(t, test, 0, loops);
-  else tcase_add_test(t, test);
-  suite_add_tcase(s, t);
-}
-
 static Suite *make(void) {
   Suite *s = suite_create("forward_gpu");
-  add(s, "fused_weights", fused_weights_match_reference, 0);
-  add(s, "reference", forward_matches_reference, 3);
-  add(s, "mxfp8", mxfp8_checkpoint, 0);
-  add(s, "graph", graph_replay_equals_eager, 0);
-  add(s, "block128", block128_top16_long_context, 0);
-  add(s, "batched", batched_decode, 0);
-  add(s, "bad_inputs", bad_inputs, 0);
-  add(s, "synthetic_model", synthetic_model, 0);
-  add(s, "numerics", numerics_check_names_layer, 0);
-  add(s, "synthetic_cache", synthetic_cache_decode, 0);
+  gpu_add_case(s, "fused_weights", setup, fused_weights_match_reference, 0);
+  gpu_add_case(s, "reference", setup, forward_matches_reference, 3);
+  gpu_add_case(s, "mxfp8", setup, mxfp8_checkpoint, 0);
+  gpu_add_case(s, "graph", setup, graph_replay_equals_eager, 0);
+  gpu_add_case(s, "block128", setup, block128_top16_long_context, 0);
+  gpu_add_case(s, "batched", setup, batched_decode, 0);
+  gpu_add_case(s, "bad_inputs", setup, bad_inputs, 0);
+  gpu_add_case(s, "synthetic_model", setup, synthetic_model, 0);
+  gpu_add_case(s, "numerics", setup, numerics_check_names_layer, 0);
+  gpu_add_case(s, "synthetic_cache", setup, synthetic_cache_decode, 0);
   return s;
 }
 

@@ -642,24 +642,15 @@ START_TEST(rank_failure_wakes_the_others) {
 }
 END_TEST
 
-static void add(Suite *s, const char *name, const TTest *test, int loops) {
-  TCase *t = tcase_create(name);
-  tcase_add_unchecked_fixture(t, setup, NULL);
-  tcase_set_timeout(t, m3_test_emulated() ? 3600 : 600);
-  if (loops) tcase_add_loop_test(t, test, 0, loops);
-  else tcase_add_test(t, test);
-  suite_add_tcase(s, t);
-}
-
 static Suite *make(void) {
   Suite *s = suite_create("tp_forward_gpu");
-  add(s, "sliced_weights", sliced_weights, 0);
-  add(s, "refusals", refusals, 0);
-  add(s, "rank_failure", rank_failure_wakes_the_others, 2);
-  add(s, "forward", tp_matches_single_gpu, 3);
-  add(s, "free_local", tp_free_local, 0);
-  add(s, "synthetic_cache", tp_synthetic_cache, 0);
-  add(s, "nccl", tp_nccl, 2);
+  gpu_add_case(s, "sliced_weights", setup, sliced_weights, 0);
+  gpu_add_case(s, "refusals", setup, refusals, 0);
+  gpu_add_case(s, "rank_failure", setup, rank_failure_wakes_the_others, 2);
+  gpu_add_case(s, "forward", setup, tp_matches_single_gpu, 3);
+  gpu_add_case(s, "free_local", setup, tp_free_local, 0);
+  gpu_add_case(s, "synthetic_cache", setup, tp_synthetic_cache, 0);
+  gpu_add_case(s, "nccl", setup, tp_nccl, 2);
   return s;
 }
 

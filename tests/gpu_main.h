@@ -45,6 +45,20 @@ static inline TCase *gpu_tcase_create_(const char *name) {
  * having to ask for it. */
 #define tcase_create(name) gpu_tcase_create_(name)
 
+/* One TCase per test (loop test when loops > 0) with the file's once-per-
+ * process fixture, so that CK_RUN_CASE=name runs just that test: one case
+ * per process is what lets compute-sanitizer's racecheck and initcheck of a
+ * whole-model test fit a device call (bench/device-run.sh SANITIZE entries
+ * PROGRAM:CASE). */
+static inline void gpu_add_case(Suite *s, const char *name, void (*setup)(void), const TTest *test, int loops) {
+  TCase *t = tcase_create(name);
+  tcase_add_unchecked_fixture(t, setup, NULL);
+  tcase_set_timeout(t, m3_test_emulated() ? 3600 : 600);
+  if (loops) tcase_add_loop_test(t, test, 0, loops);
+  else tcase_add_test(t, test);
+  suite_add_tcase(s, t);
+}
+
 #define GPU_CHECK(call)                                                        \
   do {                                                                         \
     m3_err e_;                                                                 \
