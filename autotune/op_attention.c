@@ -167,12 +167,8 @@ static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, con
   m3_tune_fill_finite(&r, s->kv, s->kv_set);
   if (s->sparse) M3_TRY(make_sel(s, &r, e));
   else s->keys = (double)s->p.visible * a->nkv;
-  M3_TRY(m3_dev_alloc(&s->d_q, s->q_bytes * s->sets, e));
-  M3_TRY(m3_dev_upload(s->d_q, s->q, s->q_bytes, e));
-  M3_TRY(m3_tune_replicate(s->d_q, s->q_bytes, s->sets, rt->stream, e));
-  M3_TRY(m3_dev_alloc(&s->d_kv, s->kv_set * s->sets, e));
-  M3_TRY(m3_dev_upload(s->d_kv, s->kv, s->kv_set, e));
-  M3_TRY(m3_tune_replicate(s->d_kv, s->kv_set, s->sets, rt->stream, e));
+  M3_TRY(m3_tune_upload_sets(&s->d_q, s->q, s->q_bytes, s->sets, rt->stream, e));
+  M3_TRY(m3_tune_upload_sets(&s->d_kv, s->kv, s->kv_set, s->sets, rt->stream, e));
   /* One head row of slack: the broken hook writes one head late. */
   M3_TRY(m3_dev_alloc(&s->d_out, s->out_bytes + (size_t)hd * 2, e));
   if (s->sparse) {

@@ -51,8 +51,6 @@ static void teardown(void *x) {
   free(s);
 }
 
-static size_t up256(size_t b) { return (b + 255) & ~(size_t)255; }
-
 static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, const m3_bucket *b, uint64_t seed,
                       void **out, m3_err *e) {
   (void)cfg; /* the key carries every shape */
@@ -67,11 +65,11 @@ static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, con
   s->n = m3_bucket_get(b, "tokens");
   if (s->H < 1 || s->K < 1 || s->n < 1) return m3_errf(e, M3_KEY, "not a moe_combine key/bucket");
   const size_t n = (size_t)s->n, H = (size_t)s->H, K = (size_t)s->K, P = n * K;
-  s->o_sh = up256(P * H * 2);
-  s->o_w = s->o_sh + up256(s->shared ? n * H * 2 : 0);
-  s->o_rows = s->o_w + up256(P * 4);
-  s->in_b = s->o_rows + up256(P * 4);
-  s->out_b = up256(n * H * 2);
+  s->o_sh = m3_tune_up256(P * H * 2);
+  s->o_w = s->o_sh + m3_tune_up256(s->shared ? n * H * 2 : 0);
+  s->o_rows = s->o_w + m3_tune_up256(P * 4);
+  s->in_b = s->o_rows + m3_tune_up256(P * 4);
+  s->out_b = m3_tune_up256(n * H * 2);
   s->sets = m3_tune_sets(s->in_b + s->out_b);
   char *in = calloc(1, s->in_b);
   s->ref = malloc(n * H * 2);
@@ -98,9 +96,7 @@ static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, con
       if (s->shared) acc += m3_bf16_to_f32(sh[t * H + d]);
       s->ref[t * H + d] = m3_f32_to_bf16(acc);
     }
-  m3_status st = m3_dev_alloc(&s->d_in, s->in_b * s->sets, e);
-  if (!st) st = m3_dev_upload(s->d_in, in, s->in_b, e);
-  if (!st) st = m3_tune_replicate(s->d_in, s->in_b, s->sets, rt->stream, e);
+  m3_status st = m3_tune_upload_sets(&s->d_in, in, s->in_b, s->sets, rt->stream, e);
   if (!st) st = m3_dev_alloc(&s->d_out, s->out_b * s->sets, e);
   free(in);
   return st;

@@ -61,7 +61,7 @@ static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, con
   s->n = m3_bucket_get(b, "tokens");
   if (s->H < 1 || s->n < 1 || s->n > (1 << 24)) return m3_errf(e, M3_KEY, "not an embed key/bucket");
   const size_t n = (size_t)s->n, H = (size_t)s->H;
-  s->out_b = (n * H * 2 + 255) & ~(size_t)255;
+  s->out_b = m3_tune_up256(n * H * 2);
   s->sets = m3_tune_sets(2 * n * H * 2 + n * 4); /* rows read, rows written, ids */
   s->table_rows = (int64_t)n * s->sets;
   const size_t T = (size_t)s->table_rows;

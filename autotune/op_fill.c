@@ -54,7 +54,7 @@ static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, con
   s->n = m3_bucket_get(b, "elems");
   s->eb = !dt ? 0 : !strcmp(dt, "bf16") ? 2 : !strcmp(dt, "e4m3") ? 1 : !strcmp(dt, "f32") ? 4 : 0;
   if (!s->eb || s->n < 1) return m3_errf(e, M3_KEY, "not a fill key / elems bucket");
-  s->ob = ((size_t)s->n * s->eb + 255) & ~(size_t)255;
+  s->ob = m3_tune_up256((size_t)s->n * s->eb);
   s->sets = m3_tune_sets(s->ob);
   s->ref = malloc((size_t)s->n * s->eb);
   if (!s->ref) return m3_errf(e, M3_NOMEM, "tune: fill reference");

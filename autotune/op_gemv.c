@@ -123,12 +123,8 @@ static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, con
     }
   }
   const size_t wset = s->wbytes * s->nw, sset = s->sbytes * s->nw;
-  if (!st) st = m3_dev_alloc((void **)&s->d_w, wset * s->sets, e);
-  if (!st) st = m3_dev_upload(s->d_w, q, wset, e);
-  if (!st) st = m3_tune_replicate(s->d_w, wset, s->sets, rt->stream, e);
-  if (!st) st = m3_dev_alloc((void **)&s->d_s, sset * s->sets, e);
-  if (!st) st = m3_dev_upload(s->d_s, sc, sset, e);
-  if (!st) st = m3_tune_replicate(s->d_s, sset, s->sets, rt->stream, e);
+  if (!st) st = m3_tune_upload_sets((void **)&s->d_w, q, wset, s->sets, rt->stream, e);
+  if (!st) st = m3_tune_upload_sets((void **)&s->d_s, sc, sset, s->sets, rt->stream, e);
   if (!st) st = m3_dev_alloc(&s->d_x, sizeof *x * (size_t)s->nx * s->cols, e);
   if (!st) st = m3_dev_upload(s->d_x, x, sizeof *x * (size_t)s->nx * s->cols, e);
   if (!st) st = m3_dev_alloc(&s->d_y, sizeof(m3_bf16) * (size_t)s->ny * s->rows, e);

@@ -132,9 +132,7 @@ static m3_status setup_kind(m3_rt *rt, const m3_variant *v, const m3_bucket *b, 
     /* Distinct random scores in [-8, 8), some blocks exactly tied (ties go to
      * the lower id in the kernel and the reference alike). */
     for (size_t i = 0; i < nsc; i++) s->h_sc[i] = (i % 97 == 5) ? 1.5f : 16.0f * m3_rng_unif(&r) - 8.0f;
-    M3_TRY(m3_dev_alloc(&s->d_sc, s->sc_bytes * sets, e));
-    M3_TRY(m3_dev_upload(s->d_sc, s->h_sc, s->sc_bytes, e));
-    M3_TRY(m3_tune_replicate(s->d_sc, s->sc_bytes, sets, rt->stream, e));
+    M3_TRY(m3_tune_upload_sets(&s->d_sc, s->h_sc, s->sc_bytes, sets, rt->stream, e));
     return ref_lists(s, s->h_sc, e); /* TOPK rotates the score buffers, not pages */
   }
   s->iq = malloc(s->iq_bytes);
@@ -144,9 +142,7 @@ static m3_status setup_kind(m3_rt *rt, const m3_variant *v, const m3_bucket *b, 
   m3_tune_fill_finite(&r, s->cache, cache_set);
   M3_TRY(m3_dev_alloc(&s->d_iq, s->iq_bytes, e));
   M3_TRY(m3_dev_upload(s->d_iq, s->iq, s->iq_bytes, e));
-  M3_TRY(m3_dev_alloc(&s->d_cache, cache_set * sets, e));
-  M3_TRY(m3_dev_upload(s->d_cache, s->cache, cache_set, e));
-  M3_TRY(m3_tune_replicate(s->d_cache, cache_set, sets, rt->stream, e));
+  M3_TRY(m3_tune_upload_sets(&s->d_cache, s->cache, cache_set, sets, rt->stream, e));
   const m3_seq_batch hb = m3_tune_batch_host(&s->p);
   if (kind == DECODE) {
     float *raw = malloc(s->sc_bytes);

@@ -42,8 +42,6 @@ static void teardown(void *x) {
   free(s);
 }
 
-static size_t up256(size_t b) { return (b + 255) & ~(size_t)255; }
-
 static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, const m3_bucket *b, uint64_t seed,
                       void **out, m3_err *e) {
   (void)cfg; /* the key carries every shape */
@@ -61,8 +59,8 @@ static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, con
     return m3_errf(e, M3_KEY, "not a kv_insert key/bucket");
   const size_t row = (size_t)(a->nq + 2 * a->nkv) * a->head_dim;
   const int64_t pages = (N + a->block_size - 1) / a->block_size, slots = pages * a->block_size;
-  s->qkv_b = up256((size_t)N * row * 2);
-  s->kv_b = up256((size_t)slots * a->nkv * 2 * a->head_dim * (a->kv_e4m3 ? 1 : 2));
+  s->qkv_b = m3_tune_up256((size_t)N * row * 2);
+  s->kv_b = m3_tune_up256((size_t)slots * a->nkv * 2 * a->head_dim * (a->kv_e4m3 ? 1 : 2));
   s->sets = m3_tune_sets(s->qkv_b + s->kv_b);
   m3_bf16 *qkv = malloc(s->qkv_b);
   int64_t *perm = malloc(sizeof *perm * (size_t)slots);
@@ -79,9 +77,7 @@ static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, con
     memset(s->ref_kv, 0xff, s->kv_b);
     m3_ref_kv_insert(a, qkv, perm, s->ref_kv);
   }
-  if (!st) st = m3_dev_alloc(&s->d_qkv, s->qkv_b * s->sets, e);
-  if (!st) st = m3_dev_upload(s->d_qkv, qkv, s->qkv_b, e);
-  if (!st) st = m3_tune_replicate(s->d_qkv, s->qkv_b, s->sets, rt->stream, e);
+  if (!st) st = m3_tune_upload_sets(&s->d_qkv, qkv, s->qkv_b, s->sets, rt->stream, e);
   if (!st) st = m3_dev_alloc(&s->d_kv, s->kv_b * s->sets, e);
   if (!st) st = m3_dev_alloc(&s->d_slot, sizeof *perm * (size_t)N, e);
   if (!st) st = m3_dev_upload(s->d_slot, perm, sizeof *perm * (size_t)N, e);

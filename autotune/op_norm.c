@@ -87,9 +87,7 @@ static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, con
     else m3_ref_rmsnorm(s->rows, s->n, x, w, s->eps, s->ref_y);
   }
   const int all = s->sets + 1;
-  if (!st) st = m3_dev_alloc(&s->d_x, s->xb * all, e);
-  if (!st) st = m3_dev_upload(s->d_x, x, s->xb, e);
-  if (!st) st = m3_tune_replicate(s->d_x, s->xb, all, rt->stream, e);
+  if (!st) st = m3_tune_upload_sets(&s->d_x, x, s->xb, all, rt->stream, e);
   if (!st) st = m3_dev_alloc(&s->d_y, s->xb * all, e);
   if (!st && s->f32copy) st = m3_dev_alloc(&s->d_y32, s->y32b * all, e);
   if (!st && s->add) {

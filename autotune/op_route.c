@@ -57,8 +57,6 @@ static void teardown(void *x) {
   free(s);
 }
 
-static size_t up256(size_t b) { return (b + 255) & ~(size_t)255; }
-
 static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, const m3_bucket *b, uint64_t seed,
                       void **out, m3_err *e) {
   rt_state *s = calloc(1, sizeof *s);
@@ -79,18 +77,18 @@ static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, con
   if (E < 1 || K < 1 || K > E) return m3_errf(e, M3_KEY, "moe_route: experts %lld, topk %lld", (long long)E, (long long)K);
   s->P = n * K;
   const size_t P = (size_t)s->P;
-  s->in_b = up256(s->group ? P * 4 : (size_t)(n * E) * (s->a.logits_bf16 ? 2 : 4));
+  s->in_b = m3_tune_up256(s->group ? P * 4 : (size_t)(n * E) * (s->a.logits_bf16 ? 2 : 4));
   if (s->group) {
     s->o_cnt = 0;
-    s->o_off = s->o_cnt + up256((size_t)E * 4);
-    s->o_perm = s->o_off + up256((size_t)(E + 1) * 4);
-    s->o_inv = s->o_perm + up256(P * 4);
-    s->o_tok = s->o_inv + up256(P * 4);
-    s->out_b = s->o_tok + up256(P * 4);
+    s->o_off = s->o_cnt + m3_tune_up256((size_t)E * 4);
+    s->o_perm = s->o_off + m3_tune_up256((size_t)(E + 1) * 4);
+    s->o_inv = s->o_perm + m3_tune_up256(P * 4);
+    s->o_tok = s->o_inv + m3_tune_up256(P * 4);
+    s->out_b = s->o_tok + m3_tune_up256(P * 4);
   } else {
     s->o_ids = 0;
-    s->o_w = up256(P * 4);
-    s->out_b = s->o_w + up256(P * 4);
+    s->o_w = m3_tune_up256(P * 4);
+    s->out_b = s->o_w + m3_tune_up256(P * 4);
   }
   s->sets = m3_tune_sets(s->in_b + s->out_b);
   m3_rng r = {seed};
@@ -115,9 +113,7 @@ static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, con
     m3_fill_f32(&r, bias, (size_t)E, 0.1f);
     st = m3_ref_route(&s->a, in, bias, s->ref_ids, s->ref_w, e);
   }
-  if (!st) st = m3_dev_alloc(&s->d_in, s->in_b * s->sets, e);
-  if (!st) st = m3_dev_upload(s->d_in, in, s->in_b, e);
-  if (!st) st = m3_tune_replicate(s->d_in, s->in_b, s->sets, rt->stream, e);
+  if (!st) st = m3_tune_upload_sets(&s->d_in, in, s->in_b, s->sets, rt->stream, e);
   if (!st) st = m3_dev_alloc(&s->d_out, s->out_b * s->sets, e);
   if (!st) st = m3_dev_alloc(&s->d_bias, sizeof *bias * (size_t)E, e);
   if (!st) st = m3_dev_upload(s->d_bias, bias, sizeof *bias * (size_t)E, e);

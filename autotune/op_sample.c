@@ -65,8 +65,8 @@ static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, con
   s->topp = !strcmp(mode, "top_p");
   s->a = (m3_sample_args){.n_rows = rows, .vocab = V, .logits_bf16 = 0, .temperature = s->topp ? 1.0f : 0.0f,
                           .top_p = 0.9f, .seed = seed, .step = 1};
-  s->lb = ((size_t)(rows * V) * 4 + 255) & ~(size_t)255;
-  s->ob = ((size_t)rows * 4 + 255) & ~(size_t)255;
+  s->lb = m3_tune_up256((size_t)(rows * V) * 4);
+  s->ob = m3_tune_up256((size_t)rows * 4);
   s->sets = m3_tune_sets(s->lb + s->ob);
   float *l = malloc(s->lb);
   s->ref = malloc((size_t)rows * 4);
@@ -83,9 +83,7 @@ static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, con
     }
     st = m3_ref_sample_top_p(&s->a, l, s->ref, e);
   }
-  if (!st) st = m3_dev_alloc(&s->d_l, s->lb * s->sets, e);
-  if (!st) st = m3_dev_upload(s->d_l, l, s->lb, e);
-  if (!st) st = m3_tune_replicate(s->d_l, s->lb, s->sets, rt->stream, e);
+  if (!st) st = m3_tune_upload_sets(&s->d_l, l, s->lb, s->sets, rt->stream, e);
   if (!st) st = m3_dev_alloc(&s->d_o, s->ob * s->sets, e);
   free(l);
   return st;

@@ -83,9 +83,7 @@ static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, con
   for (int64_t t = 0; t < s->n; t++)
     m3_ref_swiglu_oai(s->inter, gu + t * 2 * s->inter, gu + t * 2 * s->inter + s->inter, alpha, limit, beta,
                       s->ref + t * s->inter);
-  m3_status st = m3_dev_alloc(&s->d_gu, s->gu_bytes * s->sets, e);
-  if (!st) st = m3_dev_upload(s->d_gu, gu, s->gu_bytes, e);
-  if (!st) st = m3_tune_replicate(s->d_gu, s->gu_bytes, s->sets, rt->stream, e);
+  m3_status st = m3_tune_upload_sets(&s->d_gu, gu, s->gu_bytes, s->sets, rt->stream, e);
   if (!st) st = m3_dev_alloc(&s->d_out, (s->out_bytes + SLACK) * s->sets, e);
   free(gu);
   return st;

@@ -52,10 +52,18 @@ int m3_tune_rows_buckets(const int64_t *rows, int n, m3_bucket *out, int max) {
   return m3_tune_bucket_list(names, (const int64_t(*)[2])vals, k, out, max);
 }
 
-m3_status m3_tune_replicate(void *base, size_t set_bytes, int sets, cudaStream_t stream, m3_err *e) {
+/* Bytes [0, set_bytes) of base copied to set_bytes * r for r in [1, sets). */
+static m3_status replicate(void *base, size_t set_bytes, int sets, cudaStream_t stream, m3_err *e) {
   for (int r = 1; r < sets; r++)
     M3_CUDA(e, cudaMemcpyAsync((char *)base + (size_t)r * set_bytes, base, set_bytes, cudaMemcpyDeviceToDevice, stream));
   return M3_OK;
+}
+
+m3_status m3_tune_upload_sets(void **dev, const void *host, size_t set_bytes, int sets, cudaStream_t stream,
+                              m3_err *e) {
+  M3_TRY(m3_dev_alloc(dev, set_bytes * (size_t)sets, e));
+  M3_TRY(m3_dev_upload(*dev, host, set_bytes, e));
+  return replicate(*dev, set_bytes, sets, stream, e);
 }
 
 static m3_status upload_new(void **d, const void *h, size_t bytes, m3_err *e) {

@@ -43,9 +43,15 @@ int m3_tune_rows_buckets(const int64_t *rows, int n, m3_bucket *out, int max);
  * names[1] NULL: one dimension.  Returns the count. */
 int m3_tune_bucket_list(const char *const names[2], const int64_t (*vals)[2], int n, m3_bucket *out, int max);
 
-/* Copy bytes [0, set_bytes) of base to set_bytes * r for r in [1, sets) on
- * `stream`.  Errors: M3_CUDA. */
-m3_status m3_tune_replicate(void *base, size_t set_bytes, int sets, cudaStream_t stream, m3_err *e);
+/* The rotating input sets of an adapter: *dev = sets x set_bytes on the
+ * device, set 0 uploaded from host, the others copies of it (on stream).
+ * Errors: M3_CUDA, M3_CAPACITY (m3_dev_alloc's). */
+m3_status m3_tune_upload_sets(void **dev, const void *host, size_t set_bytes, int sets, cudaStream_t stream,
+                              m3_err *e);
+
+/* Offsets and sizes inside a set rounded up to 256 bytes: every part stays
+ * aligned for 16-byte loads whatever the part before it. */
+static inline size_t m3_tune_up256(size_t b) { return (b + 255) & ~(size_t)255; }
 
 /* A paged batch: n_seqs sequences of lengths lens[s], qlen[s] query tokens
  * at each one's last positions (NULL: one, decode), blocks of bs tokens on
