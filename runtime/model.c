@@ -519,6 +519,18 @@ static int expert_role(m3_role r) {
  * Under tensor parallelism (kind >= 0) each stacked element is fused whole
  * into a one-element scratch, its cut copied out, and the scratch reused for
  * the next: the whole tensor on the device is one expert at most. */
+/* Stacked element x of the members, fused row after row into element xd of dst. */
+static m3_status fuse_element(m3_model *m, const m3_ckpt *k, int layer, const m3_role *roles, int n_roles, int x,
+                              m3_dlinear *dst, int xd, m3_err *e) {
+  int64_t row0 = 0;
+  for (int i = 0; i < n_roles; i++) {
+    const m3_weight *w = m3_ckpt_get(k, layer, roles[i], expert_role(roles[i]) ? x : -1);
+    M3_TRY(upload_member(m, w, dst, xd, row0, e));
+    row0 += w->w->shape[0];
+  }
+  return M3_OK;
+}
+
 static m3_status ckpt_linear(m3_model *m, const m3_ckpt *k, int layer, const m3_role *roles, int n_roles,
                              int n_stack, int kind, m3_dlinear *dst, const char *what, m3_err *e) {
   int64_t rows = 0, cols = -1;
@@ -537,14 +549,7 @@ static m3_status ckpt_linear(m3_model *m, const m3_ckpt *k, int layer, const m3_
   }
   if (m->tp == 1 || kind < 0) {
     M3_TRY(alloc_linear(m, dst, rows, cols, n_stack, all_q, what, e));
-    for (int x = 0; x < n_stack; x++) {
-      int64_t row0 = 0;
-      for (int i = 0; i < n_roles; i++) {
-        const m3_weight *w = m3_ckpt_get(k, layer, roles[i], expert_role(roles[i]) ? x : -1);
-        M3_TRY(upload_member(m, w, dst, x, row0, e));
-        row0 += w->w->shape[0];
-      }
-    }
+    for (int x = 0; x < n_stack; x++) M3_TRY(fuse_element(m, k, layer, roles, n_roles, x, dst, x, e));
     return M3_OK;
   }
   const cut ct = cut_of(m, layer, kind);
@@ -557,12 +562,7 @@ static m3_status ckpt_linear(m3_model *m, const m3_ckpt *k, int layer, const m3_
   M3_TRY(alloc_linear(m, &tmp, rows, cols, 1, all_q, what, e));
   m3_status s = M3_OK;
   for (int x = 0; x < n_stack && s == M3_OK; x++) {
-    int64_t row0 = 0;
-    for (int i = 0; i < n_roles && s == M3_OK; i++) {
-      const m3_weight *w = m3_ckpt_get(k, layer, roles[i], expert_role(roles[i]) ? x : -1);
-      s = upload_member(m, w, &tmp, 0, row0, e);
-      row0 += w->w->shape[0];
-    }
+    s = fuse_element(m, k, layer, roles, n_roles, x, &tmp, 0, e);
     /* the uploads are cudaMemcpy on the legacy stream: the cut goes there
      * too, behind them, and the next upload behind the cut */
     if (s == M3_OK) s = cut_copy(&tmp, 0, dst, x, &ct, 0, e);
