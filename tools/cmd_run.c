@@ -186,6 +186,52 @@ static void watch(mem_watch *w) {
   }
 }
 
+/* ---- what a run and a --tp run share ---------------------------------------- */
+
+/* prompts [batch, plen]: the --prompt-ids row for every sequence, else
+ * random ids from the run's seed (the same for one GPU and for --tp). */
+static void fill_prompts(int32_t *prompts, int batch, int plen, const int32_t *prompt1, int V, uint64_t seed) {
+  m3_rng r = {seed ^ 0x5eedull};
+  for (int b = 0; b < batch; b++)
+    for (int i = 0; i < plen; i++)
+      prompts[(size_t)b * plen + i] = prompt1 ? prompt1[i] : (int32_t)(m3_rng_next(&r) % (uint64_t)V);
+}
+
+/* The tokens, TTFT and TPOT lines (bench/tpot_curve.sh and bench/tp_tpot.sh
+ * read them).  pre: prompt tokens from the synthetic cache; tdec covers the
+ * decode steps after the first when there are two or more (t_first the
+ * first, `first_what` what it did). */
+static void report_run(const int32_t *gen, int batch, int plen, int max_new, int pre, const char *same, double ttft,
+                       double tdec, double t_first, const char *first_what) {
+  for (int b = 0; b < batch; b++) {
+    printf("sequence %d: ", b);
+    for (int i = 0; i < max_new; i++) printf("%s%d", i ? "," : "", gen[(size_t)b * max_new + i]);
+    printf("\n");
+  }
+  const int steps = max_new - 1, timed = steps >= 2 ? steps - 1 : steps;
+  printf("prompt %d tokens x %d sequences, %d new tokens each%s\n", plen, batch, max_new, same);
+  printf("TTFT %.2f ms (prefill of %d x %d tokens, %.0f tokens/s)%s\n", ttft * 1e3, batch, plen - pre,
+         batch * (plen - pre) / (ttft > 0 ? ttft : 1e-9), pre ? " after the synthetic cache" : "");
+  if (steps > 0)
+    printf("TPOT %.3f ms (mean of %d decode steps at batch %d%s), %.1f tokens/s\n", tdec * 1e3 / timed, timed, batch,
+           steps >= 2 ? ", after the first" : "", (double)timed * batch / (tdec > 0 ? tdec : 1e-9));
+  if (steps >= 2) printf("first decode step %.2f ms (%s)\n", t_first * 1e3, first_what);
+}
+
+/* --dump-logits: [max_new, batch, V] float32.  0, or 1 when it cannot be written. */
+static int dump_logits(const char *path, const float *logits, int max_new, int batch, int V) {
+  int64_t shape[3] = {max_new, batch, V};
+  if (write_npy(path, logits, shape, 3) != 0) {
+    fprintf(stderr, "m3kit run: cannot write %s\n", path);
+    return 1;
+  }
+  printf("logits [%d, %d, %d] float32 -> %s\n", max_new, batch, V, path);
+  return 0;
+}
+
+#define FIRST_STEP_GRAPH "eager launches + CUDA graph capture, once per batch size and context bucket"
+#define FIRST_STEP_EAGER "kernel builds on first use"
+
 /* ---- --tp: the same run through the tensor-parallel driver --------------- */
 
 typedef struct run_args {
@@ -315,10 +361,7 @@ static int run_tp(const run_args *a) {
     rc = cli_fail("run", m3_errf(&e, M3_NOMEM, "buffers"), &e);
     goto out;
   }
-  m3_rng rg = {a->seed ^ 0x5eedull}; /* the single-GPU run's prompts */
-  for (int b = 0; b < a->batch; b++)
-    for (int i = 0; i < a->plen; i++)
-      prompts[(size_t)b * a->plen + i] = a->prompt1 ? a->prompt1[i] : (int32_t)(m3_rng_next(&rg) % (uint64_t)V);
+  fill_prompts(prompts, a->batch, a->plen, a->prompt1, V, a->seed);
   for (int b = 0; b < a->batch; b++)
     if ((s = m3_tp_admit(g, total, &seqs[b], &e)) != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
   m3_sampling smp = {a->temperature, a->top_p, a->seed, 0};
@@ -356,25 +399,11 @@ static int run_tp(const run_args *a) {
     for (int b = 0; b < a->batch; b++) gen[(size_t)b * a->max_new + step] = next[b];
   }
   const double tdec = now_s() - t1;
-  for (int b = 0; b < a->batch; b++) {
-    printf("sequence %d: ", b);
-    for (int i = 0; i < a->max_new; i++) printf("%s%d", i ? "," : "", gen[(size_t)b * a->max_new + i]);
-    printf("\n");
-  }
-  const int steps = a->max_new - 1, timed = steps >= 2 ? steps - 1 : steps;
-  printf("prompt %d tokens x %d sequences, %d new tokens each; every rank chose the same tokens\n", a->plen, a->batch,
-         a->max_new);
-  printf("TTFT %.2f ms (prefill of %d x %d tokens, %.0f tokens/s)%s\n", ttft * 1e3, a->batch, a->plen - pre,
-         a->batch * (a->plen - pre) / (ttft > 0 ? ttft : 1e-9), pre ? " after the synthetic cache" : "");
-  if (steps > 0)
-    printf("TPOT %.3f ms (mean of %d decode steps at batch %d%s), %.1f tokens/s\n", tdec * 1e3 / timed, timed,
-           a->batch, steps >= 2 ? ", after the first" : "", (double)timed * a->batch / (tdec > 0 ? tdec : 1e-9));
+  const int steps = a->max_new - 1;
   m3_tp_rank_info ri0 = {0};
   if ((s = m3_tp_info(g, 0, &ri0, &e)) != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
-  if (steps >= 2)
-    printf("first decode step %.2f ms (%s)\n", t_first * 1e3,
-           ri0.graph_replays ? "eager launches + CUDA graph capture, once per batch size and context bucket"
-                             : "kernel builds on first use");
+  report_run(gen, a->batch, a->plen, a->max_new, pre, "; every rank chose the same tokens", ttft, tdec, t_first,
+             ri0.graph_replays ? FIRST_STEP_GRAPH : FIRST_STEP_EAGER);
   printf("collectives per rank: %llu all-reduces (2 a layer a forward step), %llu logits all-gathers (1 a step); "
          "%llu decode steps replayed from CUDA graphs\n", (unsigned long long)ri0.allreduces,
          (unsigned long long)ri0.allgathers, (unsigned long long)ri0.graph_replays);
@@ -382,15 +411,7 @@ static int run_tp(const run_args *a) {
     rc = cli_fail("run", s, &e);
     goto out;
   }
-  if (a->dump) {
-    int64_t shape[3] = {a->max_new, a->batch, V};
-    if (write_npy(a->dump, logits, shape, 3) != 0) {
-      fprintf(stderr, "m3kit run: cannot write %s\n", a->dump);
-      rc = 1;
-    } else {
-      printf("logits [%d, %d, %d] float32 -> %s\n", a->max_new, a->batch, V, a->dump);
-    }
-  }
+  if (a->dump) rc = dump_logits(a->dump, logits, a->max_new, a->batch, V);
 out:
   m3_tp_close(g);
   free(prompts);
@@ -603,10 +624,7 @@ int cmd_run(int argc, char **argv) {
   next = malloc(sizeof *next * (size_t)batch);
   seqs = malloc(sizeof *seqs * (size_t)batch);
   if (!prompts || !gen || !next || !seqs) { rc = cli_fail("run", m3_errf(&e, M3_NOMEM, "buffers"), &e); goto out; }
-  m3_rng r = {seed ^ 0x5eedull};
-  for (int b = 0; b < batch; b++)
-    for (int i = 0; i < plen; i++)
-      prompts[(size_t)b * plen + i] = prompt1 ? prompt1[i] : (int32_t)(m3_rng_next(&r) % (uint64_t)V);
+  fill_prompts(prompts, batch, plen, prompt1, V, seed);
 
   /* What fits beside these weights (issue "Performance" 8): one sequence,
    * the caches of each dtype pair and this run's activation reserve. */
@@ -690,23 +708,8 @@ int cmd_run(int argc, char **argv) {
   double tdec = now_s() - t1;
   watch(&mw);
 
-  for (int b = 0; b < batch; b++) {
-    printf("sequence %d: ", b);
-    for (int i = 0; i < max_new; i++) printf("%s%d", i ? "," : "", gen[(size_t)b * max_new + i]);
-    printf("\n");
-  }
-  int steps = max_new - 1;
-  const int timed = steps >= 2 ? steps - 1 : steps; /* steps in tdec (the first apart when there are two or more) */
-  printf("prompt %d tokens x %d sequences, %d new tokens each\n", plen, batch, max_new);
-  printf("TTFT %.2f ms (prefill of %d x %d tokens, %.0f tokens/s)%s\n", ttft * 1e3, batch, plen - pre,
-         batch * (plen - pre) / (ttft > 0 ? ttft : 1e-9), pre ? " after the synthetic cache" : "");
-  if (steps > 0)
-    printf("TPOT %.3f ms (mean of %d decode steps at batch %d%s), %.1f tokens/s\n", tdec * 1e3 / timed, timed, batch,
-           steps >= 2 ? ", after the first" : "", (double)timed * batch / (tdec > 0 ? tdec : 1e-9));
-  if (steps >= 2)
-    printf("first decode step %.2f ms (%s)\n", t_first * 1e3,
-           graph && !timing ? "eager launches + CUDA graph capture, once per batch size and context bucket"
-                            : "kernel builds on first use");
+  report_run(gen, batch, plen, max_new, pre, "", ttft, tdec, t_first,
+             graph && !timing ? FIRST_STEP_GRAPH : FIRST_STEP_EAGER);
   printf("peak GPU memory in use %.2f GB (of %.2f GB; %.2f GB before loading)\n", (mw.total - mw.min_free) / 1e9,
          mw.total / 1e9, (mw.total - free0) / 1e9);
   if (timing) {
@@ -718,15 +721,7 @@ int cmd_run(int argc, char **argv) {
     s = m3_forward_graph_breakdown(f, 20, stdout, &e);
     if (s != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
   }
-  if (dump) {
-    int64_t shape[3] = {max_new, batch, V};
-    if (write_npy(dump, logits, shape, 3) != 0) {
-      fprintf(stderr, "m3kit run: cannot write %s\n", dump);
-      rc = 1;
-    } else {
-      printf("logits [%d, %d, %d] float32 -> %s\n", max_new, batch, V, dump);
-    }
-  }
+  if (dump) rc = dump_logits(dump, logits, max_new, batch, V);
 out:
   m3_forward_free(f);
   m3_kv_free(&kv);
