@@ -8,11 +8,12 @@
 # into $OUT/device-run.tar.gz (the device tool returns a few files only) and
 # the one-line results are also in $OUT/summary.txt.
 # Time limits (seconds): T_TEST (each test and sanitizer run, default 280),
-# T_TUNE (480; T_TUNE2 for the second tune; TUNE_ARGS more tune options, e.g. --only mxfp8), T_BENCH (240), T_RUN (150), T_TPOT (300),
+# TPOT_PDL=1 (the TPOT curve again under M3KIT_PDL=1), T_TUNE (480; T_TUNE2 for the second tune; TUNE_ARGS more tune options, e.g. --only mxfp8), T_BENCH (240), T_RUN (150), T_TPOT (300),
 # T_TP (520: the whole tp phase, its test and then tp_tpot.sh in what is left; TP_LIST, TP_CONTEXTS,
 # TP_BATCHES narrow the sweep, TP_ARGS adds tp_tpot.sh options, e.g. "--append --timing-only", TP_PREV an
 # earlier call's tp/ output for --append).  TESTS and SANITIZE
-# narrow the test programs (default: every ./check_*_gpu; the five kernel ones); a SANITIZE entry
+# narrow the test programs (default: every ./check_*_gpu; the five kernel ones); TEST_ENV="VAR=1 ..." is the
+# plain tests' environment (e.g. M3KIT_PDL=1), not the sanitizers' or the tune's; a SANITIZE entry
 # PROGRAM:CASE sanitizes one test case (CK_RUN_CASE) of it; SAN_TOOLS narrows the tools, PROGRAM[:CASE]@T1+T2
 # gives one entry its own; SAN_ARGS adds compute-sanitizer options (e.g. --print-limit 20).
 # Never run two device-run.sh at once: each packs and then empties $OUT.
@@ -50,7 +51,7 @@ if has tests; then
     for c in $cases; do
       n=$(basename "$t"); [ "$c" = - ] || n=$n-$c
       ( s=$(date +%s)
-        if [ "$c" = - ]; then timeout "${T_TEST:-280}" "$t"; else CK_RUN_CASE=$c timeout "${T_TEST:-280}" "$t"; fi > "$L/$n.log" 2>&1
+        if [ "$c" = - ]; then env ${TEST_ENV:-} timeout "${T_TEST:-280}" "$t"; else env ${TEST_ENV:-} CK_RUN_CASE=$c timeout "${T_TEST:-280}" "$t"; fi > "$L/$n.log" 2>&1
         rc=$?
         log "$n rc=$rc $(grep -E '^[0-9]+%: Checks' "$L/$n.log" | tail -n 1) ($(( $(date +%s) - s )) s)" ) &
       pids="$pids $!"
@@ -81,7 +82,9 @@ if has tune; then
   # Twice, the second from an empty tuning DB over the same cubins: how
   # often the two runs choose the same winner is the tuner's stability.
   for run in 1 2; do
-    [ $run = 2 ] && { rm -rf "$M3KIT_CACHE_DIR/tuning"; has tune2 || break; }
+    # Both from an empty DB (the tests may have written one); the seed is read separately.
+    rm -rf "$M3KIT_CACHE_DIR/tuning"
+    [ $run = 2 ] && { has tune2 || break; }
     tt=${T_TUNE:-480}; [ $run = 2 ] && tt=${T_TUNE2:-$tt}
     ( time timeout "$tt" ./m3kit tune --preset minimax-m3 --budget $(( tt - 25 )) ${TUNE_ARGS:-} ) > "$L/tune-$run.log" 2>&1
     log "tune $run rc=$? $(grep -E '^real' "$L/tune-$run.log") at $(elapsed) s"
@@ -135,6 +138,12 @@ if has tpot && [ -f ./tpot_curve.sh ]; then
   sh ./tpot_curve.sh --budget "${T_TPOT:-300}" ${TPOT_CONTEXTS:+--contexts $TPOT_CONTEXTS} ${T_TORCH:+--torch-budget $T_TORCH} --m3kit ./m3kit --out "$OUT/tpot" --breakdown \
     --m3kit-args "--synthetic-cache" > "$L/tpot.log" 2>&1
   log "tpot curve rc=$? at $(elapsed) s: $(tail -n 1 "$L/tpot.log")"
+  if [ "${TPOT_PDL:-0}" = 1 ]; then
+    # The same curve with programmatic dependent launch (M3KIT_PDL=1), right after, for the ratio.
+    M3KIT_PDL=1 sh ./tpot_curve.sh --budget "${T_TPOT:-300}" ${TPOT_CONTEXTS:+--contexts $TPOT_CONTEXTS} --m3kit ./m3kit \
+      --out "$OUT/tpot-pdl" --no-torch --breakdown --m3kit-args "--synthetic-cache" > "$L/tpot-pdl.log" 2>&1
+    log "tpot curve M3KIT_PDL=1 rc=$? at $(elapsed) s: $(tail -n 1 "$L/tpot-pdl.log")"
+  fi
 fi
 if has tp; then
   # Tensor parallelism (issue 7) over the GPUs of this host, NCCL with

@@ -129,7 +129,7 @@ static CUresult e_cuFuncSetAttribute(CUfunction f, CUfunction_attribute a, int v
 }
 static CUresult e_cuFuncGetAttribute(int *v, CUfunction_attribute a, CUfunction f) {
   (void)f;
-  *v = a == CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES ? EMU_STATIC_SMEM : 0;
+  *v = a == CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES ? EMU_STATIC_SMEM : a == CU_FUNC_ATTRIBUTE_BINARY_VERSION ? 90 : 0;
   return CUDA_SUCCESS;
 }
 
@@ -150,6 +150,13 @@ static CUresult e_cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigne
     return CUDA_ERROR_LAUNCH_FAILED;
   }
   return CUDA_SUCCESS;
+}
+
+/* Launch attributes (PDL's programmatic stream serialization) change only
+ * when a launch may begin on a GPU; the emulator runs launches in order. */
+static CUresult e_cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **args, void **extra) {
+  return e_cuLaunchKernel(f, c->gridDimX, c->gridDimY, c->gridDimZ, c->blockDimX, c->blockDimY, c->blockDimZ,
+                          c->sharedMemBytes, c->hStream, args, extra);
 }
 static CUresult e_cuGetErrorName(CUresult r, const char **s) {
   *s = r == CUDA_SUCCESS ? "CUDA_SUCCESS" : r == CUDA_ERROR_LAUNCH_FAILED ? "CUDA_ERROR_LAUNCH_FAILED (emulator)" : "CUDA_ERROR (emulator)";
@@ -355,7 +362,7 @@ __attribute__((constructor)) static void m3emu_install(void) {
       .cuCtxSetCurrent = e_cuCtxSetCurrent, .cuCtxGetCurrent = e_cuCtxGetCurrent,
       .cuModuleLoadData = e_cuModuleLoadData, .cuModuleUnload = e_cuModuleUnload,
       .cuModuleGetFunction = e_cuModuleGetFunction, .cuFuncSetAttribute = e_cuFuncSetAttribute,
-      .cuFuncGetAttribute = e_cuFuncGetAttribute, .cuLaunchKernel = e_cuLaunchKernel,
+      .cuFuncGetAttribute = e_cuFuncGetAttribute, .cuLaunchKernel = e_cuLaunchKernel, .cuLaunchKernelEx = e_cuLaunchKernelEx,
       .cuGetErrorName = e_cuGetErrorName, .cuGetErrorString = e_cuGetErrorString};
   m3_driver_install(&d, "m3kit CPU emulator", emu_compile, EMU_OPTIONS);
 }

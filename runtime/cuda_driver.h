@@ -17,7 +17,7 @@
   X(cuDeviceGetName) X(cuDeviceGetAttribute) X(cuDeviceTotalMem)               \
   X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuCtxSetCurrent)  \
   X(cuCtxGetCurrent) X(cuModuleLoadData) X(cuModuleUnload) X(cuModuleGetFunction) \
-  X(cuFuncSetAttribute) X(cuFuncGetAttribute) X(cuLaunchKernel)                \
+  X(cuFuncSetAttribute) X(cuFuncGetAttribute) X(cuLaunchKernel) X(cuLaunchKernelEx) \
   X(cuGetErrorName) X(cuGetErrorString)
 
 typedef struct m3_driver {

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime_api.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "runtime/check.h"
@@ -103,6 +104,12 @@ m3_status m3_module_load(const uint8_t *cubin, size_t size, const m3_cubin_meta 
   }
   out->threads = meta->threads;
   out->smem = meta->smem;
+  /* PDL only where the image can wait for its predecessor (griddepcontrol is
+   * sm_90+; every template's kernels open with M3_GRID_WAIT, lib/prelude.lua). */
+  int bin = 0;
+  const char *pdl = getenv("M3KIT_PDL");
+  out->pdl = pdl && *pdl == '1' &&
+             m3_drv.cuFuncGetAttribute(&bin, CU_FUNC_ATTRIBUTE_BINARY_VERSION, out->fn) == CUDA_SUCCESS && bin >= 90;
   snprintf(out->entry, sizeof out->entry, "%s", meta->entry);
   return M3_OK;
 }
@@ -117,8 +124,27 @@ void m3_module_unload(m3_module *m) {
 m3_status m3_launch(const m3_module *m, unsigned gx, unsigned gy, unsigned gz, CUstream stream,
                     void **args, m3_err *e) {
   if (gx == 0 || gy == 0 || gz == 0) return M3_OK; /* empty problem */
-  CUresult r = m3_drv.cuLaunchKernel(m->fn, gx, gy, gz, (unsigned)m->threads, 1, 1, (unsigned)m->smem, stream,
-                              args, NULL);
+  CUresult r;
+  if (m->pdl) {
+    /* The launch may begin while the stream's previous kernel drains; the
+     * kernel's first statement waits for it (lib/prelude.lua M3_GRID_WAIT).
+     * Captured into a graph, this becomes a programmatic edge. */
+    CUlaunchAttribute at;
+    memset(&at, 0, sizeof at);
+    at.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    at.value.programmaticStreamSerializationAllowed = 1;
+    CUlaunchConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.gridDimX = gx, cfg.gridDimY = gy, cfg.gridDimZ = gz;
+    cfg.blockDimX = (unsigned)m->threads, cfg.blockDimY = 1, cfg.blockDimZ = 1;
+    cfg.sharedMemBytes = (unsigned)m->smem;
+    cfg.hStream = stream;
+    cfg.attrs = &at;
+    cfg.numAttrs = 1;
+    r = m3_drv.cuLaunchKernelEx(&cfg, m->fn, args, NULL);
+  } else {
+    r = m3_drv.cuLaunchKernel(m->fn, gx, gy, gz, (unsigned)m->threads, 1, 1, (unsigned)m->smem, stream, args, NULL);
+  }
   if (r != CUDA_SUCCESS) {
     m3_cu_fail(e, r, "cuLaunchKernel", __FILE__, __LINE__);
     return m3_err_prefix(e, "%s grid (%u,%u,%u) block %d smem %d: ", m->entry, gx, gy, gz, m->threads, m->smem);

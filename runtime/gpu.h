@@ -44,6 +44,7 @@ typedef struct m3_module {
   CUmodule mod;
   CUfunction fn;
   int threads, smem;
+  int pdl;             /* 1: launched with programmatic stream serialization (M3KIT_PDL=1, an sm_90+ image) */
   char entry[96];
 } m3_module;
 

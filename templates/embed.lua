@@ -40,6 +40,7 @@ local body = [==[
 extern "C" __global__ void __launch_bounds__(THREADS)
 $sym(const int *__restrict__ ids, const bf16_t *__restrict__ table, bf16_t *__restrict__ out,
      int *__restrict__ err, long long n_tokens, long long vocab) {
+  M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
   const long long t = blockIdx.x;
   if (t >= n_tokens) return;
   const int id = ids[t];

@@ -52,6 +52,7 @@ M3_DEV float synth_normal(u64 seed, i64 i) {
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 $sym(void *__restrict__ out, i64 n, u64 seed, float sigma) {
+  M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
   const i64 per_cta = (i64)THREADS * VEC;
   for (i64 base = (i64)blockIdx.x * per_cta; base < n; base += (i64)gridDim.x * per_cta) {
 #pragma unroll

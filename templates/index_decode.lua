@@ -229,6 +229,7 @@ $sym(const unsigned char *__restrict__ iq,     /* [n_tokens, H, HD] bf16 | e4m3,
      u64 *__restrict__ heads,                  /* [n_tokens, H, max_splits] */
      u64 *__restrict__ lists,                  /* [n_tokens, max_splits, H, TOPK] */
      int n_tokens, int max_splits, int bpc, int max_blocks) {
+  M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
   __shared__ int s_page[MAXB];
   __shared__ unsigned s_bmax[H][MAXB];
   __shared__ float s_q[H * HD];

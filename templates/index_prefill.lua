@@ -174,6 +174,7 @@ $sym(const unsigned char *__restrict__ iq,     /* [n_tokens, H, HD] bf16 | e4m3,
      int n_seqs, const int *__restrict__ token_seq, const i64 *__restrict__ positions,
      float *__restrict__ scores,               /* [H, n_tokens, max_blocks] */
      int n_tokens, int max_blocks) {
+  M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
   const int b = (int)blockIdx.x;
   const int t0 = ((int)blockIdx.y * NW + w) * TPT;
@@ -290,6 +291,7 @@ $sym(const float *__restrict__ scores,         /* [H, n_tokens, max_blocks], raw
      i64 bt_stride, int n_seqs, const int *__restrict__ token_seq, const i64 *__restrict__ positions,
      int *__restrict__ out,                    /* [H, n_tokens, TOPK] */
      int n_tokens, int max_blocks) {
+  M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
   __shared__ u64 s_keys[NW][CAP];
   __shared__ int s_out[NW][32];
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;

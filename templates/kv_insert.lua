@@ -51,6 +51,7 @@ $sym(const bf16_t *__restrict__ qkv,          /* [N, ROW] (dense rows: q | k | v
      const i64 *__restrict__ slot_mapping,    /* [N]; < 0: padding, nothing written */
      void *__restrict__ kv_cache,             /* [blocks, NKV, BS, 2*HD] */
      int n_tokens) {
+  M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
   const int lane = threadIdx.x & 31;
   const i64 item = (i64)blockIdx.x * WARPS + (threadIdx.x >> 5);
   if (item >= (i64)n_tokens * NKV * 2) return;

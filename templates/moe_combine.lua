@@ -65,6 +65,7 @@ M3_DEV void load_vec(const bf16_t *p, float *v) {
 extern "C" __global__ void __launch_bounds__(THREADS)
 $sym(const bf16_t *__restrict__ y, const int *__restrict__ rowof, const float *__restrict__ w,
      const bf16_t *__restrict__ shared, bf16_t *__restrict__ out, long long n_tokens) {
+  M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
   const long long t = blockIdx.x;
   if (t >= n_tokens) return;
   float wk[K];

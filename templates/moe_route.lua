@@ -213,6 +213,7 @@ M3_DEV void group_pairs(long long P, const int *ids, int *counts, int *offsets, 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 $sym(const void *__restrict__ logits, const float *__restrict__ bias, int *ids, float *w, int *counts,
      int *offsets, int *perm, int *inv, int *tok, int *err, long long n_tokens, float scaling) {
+  M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #if STAGE == 0
   const long long t = (long long)blockIdx.x * WARPS + warp;

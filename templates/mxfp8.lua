@@ -57,6 +57,7 @@ T.tiles = {
   {"rpw", {1, 2, 4}},               -- rows per warp (x reuse from shared memory)
   {"unroll", {1, 2, 4, 8}},         -- loads in flight per row: 16-byte steps (bf16, f32), 32-column blocks (e4m3)
   {"cvt", {"alu", "hw"}},           -- e4m3 -> fp16 (W8A16 GEMV): bit moves, or cvt.rn.f16x2.e4m3x2
+  {"pipe", {1, 2}},                 -- W8A16 GEMV: 2 = the next step's weights load while this step's mma run
 }
 
 -- Opt-in dynamic shared memory per block, by SM generation.
@@ -83,10 +84,14 @@ function T.valid(k, t, arch)
       return false, "dequant is e4m3 -> bf16 only: use w=e4m3, out=bf16, nmax=1, moe=0"
     end
     if k.cols % 32 ~= 0 then return false, "MXFP8 rows are blocks of 32: cols % 32 must be 0" end
-    if t.rpw ~= 1 or t.unroll ~= 1 or t.cvt ~= "alu" then
-      return false, "dequant uses only the warps tile: rpw=1, unroll=1, cvt=alu"
+    if t.rpw ~= 1 or t.unroll ~= 1 or t.cvt ~= "alu" or t.pipe ~= 1 then
+      return false, "dequant uses only the warps tile: rpw=1, unroll=1, cvt=alu, pipe=1"
     end
     return true
+  end
+  if t.pipe ~= 1 and k.w ~= "e4m3" then return false, "pipe=2 is the W8A16 (e4m3) GEMV's; bf16/fp32 use pipe=1" end
+  if t.pipe == 2 and t.rpw * t.unroll > 4 then
+    return false, "pipe=2 holds two steps of weights: rpw x unroll <= 4 (registers)"
   end
   if t.cvt == "hw" and k.w ~= "e4m3" then return false, "cvt=hw decodes e4m3 weights only (cvt=alu)" end
   if t.cvt == "hw" and m3.sm(arch) < 89 then return false, "cvt.rn.f16x2.e4m3x2 needs sm_89+" end
@@ -105,10 +110,10 @@ function T.valid(k, t, arch)
 end
 
 function T.default_tile(k, arch)
-  if k.op == "dequant" then return {warps = 8, rpw = 1, unroll = 1, cvt = "alu"} end
-  if k.w == "f32" then return {warps = 4, rpw = 1, unroll = 4, cvt = "alu"} end
-  if k.w == "e4m3" then return {warps = 8, rpw = 1, unroll = 4, cvt = "alu"} end
-  return {warps = 8, rpw = 2, unroll = 2, cvt = "alu"}
+  if k.op == "dequant" then return {warps = 8, rpw = 1, unroll = 1, cvt = "alu", pipe = 1} end
+  if k.w == "f32" then return {warps = 4, rpw = 1, unroll = 4, cvt = "alu", pipe = 1} end
+  if k.w == "e4m3" then return {warps = 8, rpw = 1, unroll = 4, cvt = "alu", pipe = 1} end
+  return {warps = 8, rpw = 2, unroll = 2, cvt = "alu", pipe = 1}
 end
 
 function T.variants(c)
@@ -157,6 +162,7 @@ M3_DEV u32 dq2(u32 v, int k, float sf) {   /* bytes k, k+1 of v -> two bf16 */
 extern "C" __global__ void __launch_bounds__(THREADS)
 $sym(const unsigned char *__restrict__ q, const unsigned char *__restrict__ scale,
      bf16_t *__restrict__ out, long long rows) {
+  M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
   const long long c = (long long)blockIdx.x * THREADS + threadIdx.x;   /* 16-element chunk */
   if (c >= rows * CPR) return;
   const long long row = c / CPR;
@@ -246,6 +252,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned char *__restrict__ ws,
      const void *const *__restrict__ w_tab, const unsigned char *const *__restrict__ ws_tab,
      const int *__restrict__ ids, int n_tab, int xdiv, void *__restrict__ y, int n, int rows) {
+  M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
   DYN_SMEM(float4, xs4);   /* [NMAX][X4] */
   const int p = MOE ? (int)blockIdx.y : 0;
   const int ntok = MOE ? 1 : n;
@@ -380,6 +387,7 @@ local gemv_mma_body = [==[
 #define WARPS $warps
 #define RPW $rpw                 /* 16-row mma tiles per CTA */
 #define UNR $unroll              /* 32-column blocks per lane per step; the CTA's warps take turns */
+#define PIPE $pipe               /* 2: step i+1's loads are issued before step i's mma (two wsteps live) */
 #define WLOG2 $wlog2             /* the decoded weight is e4m3 x 2^-WLOG2 */
 #define NBLK (COLS / 32)
 #define XS4 (COLS / 8 + 1)       /* uint4 per staged token row (16 bytes of padding) */
@@ -458,6 +466,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned char *__restrict__ ws,
      const void *const *__restrict__ w_tab, const unsigned char *const *__restrict__ ws_tab,
      const int *__restrict__ ids, int n_tab, int xdiv, void *__restrict__ y, int n, int rows) {
+  M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
   DYN_SMEM(uint4, xs4);          /* [NMAX][XS4] fp16 x 2^sh, dims paired (0,2),(1,3),(4,6),(5,7) */
   __shared__ int s_emax[NMAX];
   __shared__ float s_out[NMAX];
@@ -524,7 +533,15 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
   for (int r = 0; r < RPW; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.0f;
 #pragma unroll 1
   for (int b0 = warp * UNR; b0 < NBLK; b0 += WARPS * UNR) {
+#if PIPE == 2
+    /* ncu (pipe=1): warps stall on their loads at the top of every step, the
+     * bytes in flight drained to zero between steps.  Keep the next step's
+     * loads outstanding while this one computes. */
+    wstep nxt;
+    if (b0 + WARPS * UNR < NBLK) load_step(nxt, wb, sb, row0, rows, b0 + WARPS * UNR, g, tq);
+#else
     if (b0 != warp * UNR) load_step(cur, wb, sb, row0, rows, b0, g, tq);
+#endif
 #pragma unroll
     for (int u = 0; u < UNR; u++) {
       if (b0 + u < NBLK) {
@@ -548,6 +565,9 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
         }
       }
     }
+#if PIPE == 2
+    cur = nxt;
+#endif
   }
   /* The warps' column slices summed (warp order: deterministic); c[0], c[1]:
    * row g, tokens 2tq, 2tq + 1; c[2], c[3]: row g + 8. */
@@ -585,7 +605,7 @@ function T.render(k, t, arch, sym)
     smem = 0
   elseif k.w == "e4m3" then
     src = "#ifndef FULL\n#define FULL 0xffffffffu\n#endif\n" .. I.mma("f16") .. I.e4m3_decode(t.cvt) .. F.subst("mxfp8", gemv_mma_body, {
-      cols = k.cols, nmax = k.nmax, moe = k.moe, warps = t.warps, rpw = t.rpw, unroll = t.unroll,
+      cols = k.cols, nmax = k.nmax, moe = k.moe, warps = t.warps, rpw = t.rpw, unroll = t.unroll, pipe = t.pipe,
       wlog2 = t.cvt == "hw" and 0 or 8, sym = sym,
     })
     smem = gemv_smem(k)

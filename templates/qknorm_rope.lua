@@ -151,6 +151,7 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
      bf16_t *__restrict__ q_out,               /* [N, NQ*HD] or NULL */
      void *__restrict__ index_q_out,           /* [N, NIQ*HD] or NULL */
      int n_tokens, i64 max_pos, float eps) {
+  M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
   const int lane = threadIdx.x & 31;
   const i64 warp = (i64)blockIdx.x * WARPS + (threadIdx.x >> 5);
   /* Two passes over the warp's HPW head slots: first every load is issued

@@ -94,6 +94,7 @@ M3_DEV void store_vec(bf16_t *p, const float *v) {
 extern "C" __global__ void __launch_bounds__(THREADS)
 $sym(const bf16_t *x, bf16_t *__restrict__ residual, const bf16_t *__restrict__ w, bf16_t *y,
      float *__restrict__ y32, long long n_rows, float eps) {
+  M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
   __shared__ float red[32];
   const long long row = blockIdx.x;
   if (row >= n_rows) return;

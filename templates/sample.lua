@@ -153,6 +153,7 @@ M3_DEV float mass(float x, float mx) {
 extern "C" __global__ void __launch_bounds__(THREADS)
 $sym(const void *__restrict__ logits, int *__restrict__ out, long long n_rows, float temperature,
      float top_p, u64 seed, u64 step) {
+  M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
   __shared__ float rv[32];
   __shared__ int ri[32];
   const long long row = blockIdx.x;

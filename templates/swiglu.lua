@@ -70,6 +70,7 @@ M3_DEV float swiglu_oai(float g, float u) {
 /* gu [n_rows, 2I] bf16 (gate | up); out [n_rows, I] bf16 (must not alias gu). */
 extern "C" __global__ void __launch_bounds__(THREADS)
 $sym(const bf16_t *__restrict__ gu, bf16_t *__restrict__ out, long long n_rows) {
+  M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
   const long long v = (long long)blockIdx.x * THREADS + threadIdx.x;
   if (v >= n_rows * VPR) return;
   const long long row = v / VPR;

@@ -488,6 +488,7 @@ $sym(const bf16_t *__restrict__ q,          /* [N, NQ, HD] */
      float *__restrict__ part_o,             /* decode: [N, NKV, splits, GQ, HD] */
      float *__restrict__ part_ml,            /* decode: [N, NKV, splits, GQ, 2] (max, sum) */
      int chunk, int n_tokens, float scale2) {
+  M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
   extern __shared__ __attribute__((aligned(16))) unsigned char smem_raw[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gl = lane >> 2, tq = lane & 3;

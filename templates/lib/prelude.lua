@@ -12,6 +12,17 @@ typedef unsigned short bf16_t;
 typedef unsigned char e4m3_t;
 typedef long long i64;
 #define M3_DEV static __device__ __forceinline__
+/* Programmatic dependent launch (sm_90+; m3_launch with M3KIT_PDL=1): a
+ * kernel may be scheduled while the previous one in its stream drains, and
+ * waits here, as the first statement of every kernel, for that grid's
+ * completion and memory - so stream order holds exactly; only the launch
+ * latency and block scheduling overlap.  Without the attribute it returns at
+ * once; the CPU emulator runs launches in order (no-op). */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define M3_GRID_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#else
+#define M3_GRID_WAIT() ((void)0)
+#endif
 
 M3_DEV float bf16_to_f32(bf16_t h) { return __uint_as_float(((unsigned)h) << 16); }
 M3_DEV bf16_t f32_to_bf16(float f) {
