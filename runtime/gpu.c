@@ -146,7 +146,7 @@ m3_status m3_launch(const m3_module *m, unsigned gx, unsigned gy, unsigned gz, C
     r = m3_drv.cuLaunchKernel(m->fn, gx, gy, gz, (unsigned)m->threads, 1, 1, (unsigned)m->smem, stream, args, NULL);
   }
   if (r != CUDA_SUCCESS) {
-    m3_cu_fail(e, r, "cuLaunchKernel", __FILE__, __LINE__);
+    m3_cu_fail(e, r, m->pdl ? "cuLaunchKernelEx" : "cuLaunchKernel", __FILE__, __LINE__);
     return m3_err_prefix(e, "%s grid (%u,%u,%u) block %d smem %d: ", m->entry, gx, gy, gz, m->threads, m->smem);
   }
   return M3_OK;

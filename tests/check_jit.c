@@ -79,6 +79,48 @@ START_TEST(every_variant_compiles_for_arch) {
 }
 END_TEST
 
+/* Programmatic dependent launch (M3KIT_PDL=1, runtime/gpu.c) lets a kernel
+ * start while its predecessor drains: stream order holds only if every
+ * kernel's first statement is M3_GRID_WAIT() (lib/prelude.lua).  A template
+ * that forgets it races under PDL alone, which no numeric test catches
+ * reliably; so check the rendered source of every variant. */
+START_TEST(every_kernel_opens_with_the_grid_wait) {
+  m3_jit j;
+  m3_err e;
+  ck_assert_int_eq(m3_jit_open(&j, &e), M3_OK);
+  const char *presets[] = {"minimax-m3", "tiny"};
+  int kernels = 0;
+  for (int p = 0; p < 2; p++) {
+    m3_dims d;
+    if (m3_model_dims_for(presets[p], NULL, &d, &e) != M3_OK) continue;
+    for (const char *const *t = m3_lua_template_names(); *t; t++) {
+      m3_variant *vs;
+      int n;
+      ck_assert_msg(m3_render_variants(j.lua, *t, &d, &vs, &n, &e) == M3_OK, "%s", e.msg);
+      for (int i = 0; i < n; i++) {
+        snprintf(vs[i].arch, sizeof vs[i].arch, "sm_90");
+        ck_assert_msg(m3_render_default_tile(j.lua, &vs[i], &e) == M3_OK, "%s", e.msg);
+        m3_source src;
+        ck_assert_msg(m3_render_source(j.lua, &vs[i], &src, &e) == M3_OK, "%s", e.msg);
+        for (const char *g = strstr(src.text, "__global__"); g; g = strstr(g + 1, "__global__")) {
+          const char *body = strchr(g, '{');
+          ck_assert_msg(body != NULL, "%s: a __global__ without a body", *t);
+          body++;
+          while (*body == ' ' || *body == '\n') body++;
+          ck_assert_msg(!strncmp(body, "M3_GRID_WAIT();", 15), "%s: a kernel's first statement is not M3_GRID_WAIT(): %.60s",
+                        *t, body);
+          kernels++;
+        }
+        m3_source_free(&src);
+      }
+      free(vs);
+    }
+  }
+  ck_assert_int_gt(kernels, 0);
+  m3_jit_close(&j);
+}
+END_TEST
+
 START_TEST(key_changes_with_every_ingredient) {
   char *k0, *k;
   char h0[33], h[33];
@@ -323,6 +365,7 @@ int main(void) {
   TCase *tc = tcase_create("cache");
   tcase_set_timeout(tc, 600);
   tcase_add_loop_test(tc, every_variant_compiles_for_arch, 0, (int)(sizeof archs / sizeof *archs));
+  tcase_add_test(tc, every_kernel_opens_with_the_grid_wait);
   tcase_add_test(tc, key_changes_with_every_ingredient);
   tcase_add_test(tc, hit_after_miss_and_arch_distinct);
   tcase_add_test(tc, corrupt_and_truncated_entries_rebuilt);
