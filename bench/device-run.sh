@@ -135,13 +135,13 @@ fi
 if has tpot && [ -f ./tpot_curve.sh ]; then
   # Synthetic caches: the decode step reads the bytes of a long context
   # without the minutes its prefill would take (m3kit run --help).
-  sh ./tpot_curve.sh --budget "${T_TPOT:-300}" ${TPOT_CONTEXTS:+--contexts $TPOT_CONTEXTS} ${T_TORCH:+--torch-budget $T_TORCH} --m3kit ./m3kit --out "$OUT/tpot" --breakdown \
-    --m3kit-args "--synthetic-cache" > "$L/tpot.log" 2>&1
+  curve() { sh ./tpot_curve.sh --budget "${T_TPOT:-300}" ${TPOT_CONTEXTS:+--contexts $TPOT_CONTEXTS} --m3kit ./m3kit \
+    --breakdown --m3kit-args "--synthetic-cache" "$@"; }
+  curve ${T_TORCH:+--torch-budget $T_TORCH} --out "$OUT/tpot" > "$L/tpot.log" 2>&1
   log "tpot curve rc=$? at $(elapsed) s: $(tail -n 1 "$L/tpot.log")"
   if [ "${TPOT_PDL:-0}" = 1 ]; then
     # The same curve with programmatic dependent launch (M3KIT_PDL=1), right after, for the ratio.
-    M3KIT_PDL=1 sh ./tpot_curve.sh --budget "${T_TPOT:-300}" ${TPOT_CONTEXTS:+--contexts $TPOT_CONTEXTS} --m3kit ./m3kit \
-      --out "$OUT/tpot-pdl" --no-torch --breakdown --m3kit-args "--synthetic-cache" > "$L/tpot-pdl.log" 2>&1
+    ( export M3KIT_PDL=1; curve --no-torch --out "$OUT/tpot-pdl" ) > "$L/tpot-pdl.log" 2>&1
     log "tpot curve M3KIT_PDL=1 rc=$? at $(elapsed) s: $(tail -n 1 "$L/tpot-pdl.log")"
   fi
 fi
