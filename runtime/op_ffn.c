@@ -333,12 +333,13 @@ static m3_status gemv_check(const m3_kernel *k, const m3_gemv_args *a, int moe, 
   return M3_OK;
 }
 
-/* Rows per CTA: warps x rpw rows, or rpw 16-row mma tiles for the W8A16
+/* Rows per CTA: warps x rpw rows, or tpc x rpw 16-row mma tiles for the W8A16
  * GEMV, whose warps split the columns (templates/mxfp8.lua). */
 static uint64_t gemv_grid(const m3_kernel *k, const m3_gemv_args *a) {
   const int64_t rows = a->rows;
   long per = m3_variant_tile_int(&k->key, "warps", 8) * m3_variant_tile_int(&k->key, "rpw", 2);
-  if (a->wfmt == M3_GEMV_E4M3) per = 16 * m3_variant_tile_int(&k->key, "rpw", 1);
+  if (a->wfmt == M3_GEMV_E4M3)
+    per = 16 * m3_variant_tile_int(&k->key, "rpw", 1) * m3_variant_tile_int(&k->key, "tpc", 1);
   return (uint64_t)((rows + per - 1) / per);
 }
 

@@ -57,7 +57,9 @@ T.tiles = {
   {"rpw", {1, 2, 4}},               -- rows per warp (x reuse from shared memory)
   {"unroll", {1, 2, 4, 8}},         -- loads in flight per row: 16-byte steps (bf16, f32), 32-column blocks (e4m3)
   {"cvt", {"alu", "hw"}},           -- e4m3 -> fp16 (W8A16 GEMV): bit moves, or cvt.rn.f16x2.e4m3x2
-  {"pipe", {1, 2}},                 -- W8A16 GEMV: 2 = the next step's weights load while this step's mma run
+  {"pipe", {1, 2, 3, 4}},           -- W8A16 GEMV: 1 = load then compute; 2 = the next step's loads in registers
+                                    -- during this step's mma; 3, 4 = a per-warp cp.async ring of that many stages
+  {"tpc", {1, 2, 4, 8}},            -- W8A16 GEMV with the ring: 16 x rpw-row tiles per CTA (x staged once for all)
 }
 
 -- Opt-in dynamic shared memory per block, by SM generation.
@@ -71,8 +73,17 @@ end
 
 -- Staged x: fp32 for the FMA GEMVs; fp16 rows padded by 16 bytes (no bank
 -- conflicts between the tokens' rows) for the tensor-core W8A16 GEMV.
-local function gemv_smem(k)
-  if k.w == "e4m3" then return k.nmax * (k.cols * 2 + 16) end
+-- The cp.async ring (pipe >= 3): per warp `pipe` stages, each the weights of
+-- its 16 x rpw rows for `unroll` blocks (rows padded by 32 bytes: the 8-byte
+-- fragment reads of a half-warp then hit 32 distinct banks) + their E8M0 bytes.
+local function ring_stage(t)
+  return t.rpw * 16 * (t.unroll * 32 + 32) + t.rpw * 16 * t.unroll
+end
+local function gemv_smem(k, t)
+  if k.w == "e4m3" then
+    local ring = (t and t.pipe >= 3) and t.warps * t.pipe * ring_stage(t) or 0
+    return k.nmax * (k.cols * 2 + 16) + ring
+  end
   return k.nmax * k.cols * 4
 end
 
@@ -84,8 +95,8 @@ function T.valid(k, t, arch)
       return false, "dequant is e4m3 -> bf16 only: use w=e4m3, out=bf16, nmax=1, moe=0"
     end
     if k.cols % 32 ~= 0 then return false, "MXFP8 rows are blocks of 32: cols % 32 must be 0" end
-    if t.rpw ~= 1 or t.unroll ~= 1 or t.cvt ~= "alu" or t.pipe ~= 1 then
-      return false, "dequant uses only the warps tile: rpw=1, unroll=1, cvt=alu, pipe=1"
+    if t.rpw ~= 1 or t.unroll ~= 1 or t.cvt ~= "alu" or t.pipe ~= 1 or t.tpc ~= 1 then
+      return false, "dequant uses only the warps tile: rpw=1, unroll=1, cvt=alu, pipe=1, tpc=1"
     end
     return true
   end
@@ -93,15 +104,29 @@ function T.valid(k, t, arch)
   if t.pipe == 2 and t.rpw * t.unroll > 4 then
     return false, "pipe=2 holds two steps of weights: rpw x unroll <= 4 (registers)"
   end
+  if t.pipe >= 3 then
+    if m3.sm(arch) < 80 then return false, "cp.async needs sm_80+" end
+    if t.unroll ~= 4 and t.unroll ~= 8 then
+      return false, "the cp.async ring copies a row's E8M0 bytes in 4-byte pieces: unroll 4 or 8"
+    end
+    if (k.cols // 32) % t.unroll ~= 0 then
+      return false, "the cp.async ring has no partial steps: (cols / 32) % unroll must be 0"
+    end
+    if t.warps * t.unroll > k.cols // 32 then
+      return false, "the cp.async ring needs a step for every warp: warps x unroll <= cols / 32"
+    end
+  elseif t.tpc ~= 1 then
+    return false, "tpc (tiles per CTA) is the cp.async ring's (pipe >= 3): tpc=1"
+  end
   if t.cvt == "hw" and k.w ~= "e4m3" then return false, "cvt=hw decodes e4m3 weights only (cvt=alu)" end
   if t.cvt == "hw" and m3.sm(arch) < 89 then return false, "cvt.rn.f16x2.e4m3x2 needs sm_89+" end
   if k.w == "e4m3" and k.cols % 32 ~= 0 then return false, "MXFP8 rows are blocks of 32: cols % 32 must be 0" end
   if k.cols % 8 ~= 0 then return false, "cols % 8 must be 0 (16-byte staging of x)" end
   if k.w == "e4m3" and k.out ~= "bf16" then return false, "W8A16 writes bf16 (out=bf16)" end
   if k.moe == 1 and k.nmax ~= 1 then return false, "the MoE GEMV runs one token per (token, expert) pair: nmax=1" end
-  if gemv_smem(k) > smem_limit(arch) then
-    return false, string.format("staging x needs nmax x cols x 4 = %d B of shared memory > %d on %s",
-                                gemv_smem(k), smem_limit(arch), arch)
+  if gemv_smem(k, t) > smem_limit(arch) then
+    return false, string.format("staging x%s needs %d B of shared memory > %d on %s",
+                                t.pipe >= 3 and " and the cp.async ring" or "", gemv_smem(k, t), smem_limit(arch), arch)
   end
   if t.rpw * k.nmax > 32 then return false, "rpw x nmax > 32 accumulators per lane" end
   if t.rpw * t.unroll > 8 then return false, "rpw x unroll > 8 loads in flight per lane (registers)" end
@@ -110,10 +135,10 @@ function T.valid(k, t, arch)
 end
 
 function T.default_tile(k, arch)
-  if k.op == "dequant" then return {warps = 8, rpw = 1, unroll = 1, cvt = "alu", pipe = 1} end
-  if k.w == "f32" then return {warps = 4, rpw = 1, unroll = 4, cvt = "alu", pipe = 1} end
-  if k.w == "e4m3" then return {warps = 8, rpw = 1, unroll = 4, cvt = "alu", pipe = 1} end
-  return {warps = 8, rpw = 2, unroll = 2, cvt = "alu", pipe = 1}
+  if k.op == "dequant" then return {warps = 8, rpw = 1, unroll = 1, cvt = "alu", pipe = 1, tpc = 1} end
+  if k.w == "f32" then return {warps = 4, rpw = 1, unroll = 4, cvt = "alu", pipe = 1, tpc = 1} end
+  if k.w == "e4m3" then return {warps = 8, rpw = 1, unroll = 4, cvt = "alu", pipe = 1, tpc = 1} end
+  return {warps = 8, rpw = 2, unroll = 2, cvt = "alu", pipe = 1, tpc = 1}
 end
 
 function T.variants(c)
@@ -387,10 +412,14 @@ local gemv_mma_body = [==[
 #define WARPS $warps
 #define RPW $rpw                 /* 16-row mma tiles per CTA */
 #define UNR $unroll              /* 32-column blocks per lane per step; the CTA's warps take turns */
-#define PIPE $pipe               /* 2: step i+1's loads are issued before step i's mma (two wsteps live) */
+#define TPC $tpc                 /* pipe >= 3: 16 x RPW-row tiles per CTA */
+#define PIPE $pipe               /* 2: step i+1's loads are issued before step i's mma (two wsteps live);
+                                  * >= 3: a per-warp cp.async ring of PIPE stages, PIPE - 1 in flight */
 #define WLOG2 $wlog2             /* the decoded weight is e4m3 x 2^-WLOG2 */
 #define NBLK (COLS / 32)
 #define XS4 (COLS / 8 + 1)       /* uint4 per staged token row (16 bytes of padding) */
+#define STAGE $stage             /* pipe >= 3: bytes of one ring stage (weights, then E8M0) */
+#define WSTR (UNR * 32 + 32)     /* a row's bytes in a ring stage, padded */
 M3_DEV float e8m0_to_f32(u32 s) {
   return s == 0u ? __uint_as_float(0x00400000u) : (s == 255u ? __uint_as_float(0x7fc00000u) : __uint_as_float(s << 23));
 }
@@ -424,6 +453,58 @@ M3_DEV uint2 ld8_stream(const unsigned char *p) {
   return *(const uint2 *)p;
 #endif
 }
+
+#if PIPE >= 3
+/* cp.async (sm_80+): n = 16 bytes (.cg: L2 only, the weights are streamed once)
+ * or 4 (.ca); src_n = 0 fills zeros (rows past the end).  The emulator copies
+ * at once, which is what a wait_group makes visible anyway. */
+M3_DEV void cpa16(void *dst, const void *src, int src_n) {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src),
+               "r"(src_n));
+#else
+  if (src_n) memcpy(dst, src, 16); else memset(dst, 0, 16);
+#endif
+}
+M3_DEV void cpa4(void *dst, const void *src, int src_n) {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src),
+               "r"(src_n));
+#else
+  if (src_n) memcpy(dst, src, 4); else memset(dst, 0, 4);
+#endif
+}
+M3_DEV void cpa_commit(void) {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+/* All of this thread's copy groups but the newest PIPE - 1 have landed. */
+M3_DEV void cpa_wait_ring(void) {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.wait_group %0;" ::"n"(PIPE - 1) : "memory");
+#endif
+}
+
+/* Copy blocks [b0, b0 + UNR) of the tile's 16 x RPW rows into ring stage st:
+ * row rr's weight bytes at st + rr * WSTR, its E8M0 bytes at st + 16 RPW WSTR
+ * + rr UNR.  8 consecutive lanes copy one row's 128 contiguous bytes. */
+M3_DEV void ring_issue(unsigned char *st, const unsigned char *wb, const unsigned char *sb, int row0, int rows,
+                       int b0, int lane) {
+#pragma unroll
+  for (int i = 0; i < RPW * UNR; i++) {
+    const int c = i * 32 + lane, rr = c / (2 * UNR), cc = c % (2 * UNR);
+    const int ok = row0 + rr < rows;
+    cpa16(st + rr * WSTR + 16 * cc, ok ? wb + (long long)(row0 + rr) * COLS + 32 * b0 + 16 * cc : wb, ok ? 16 : 0);
+  }
+  if (lane < 4 * RPW * UNR) {   /* 16 RPW rows x UNR / 4 words */
+    const int rr = lane / (UNR / 4), j = lane % (UNR / 4);
+    const int ok = row0 + rr < rows;
+    cpa4(st + 16 * RPW * WSTR + rr * UNR + 4 * j, ok ? sb + (long long)(row0 + rr) * NBLK + b0 + 4 * j : sb,
+         ok ? 4 : 0);
+  }
+}
+#endif
 
 /* One step of a warp's weights: blocks [b0, b0 + UNR) of its rows. */
 struct wstep {
@@ -470,7 +551,9 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
   DYN_SMEM(uint4, xs4);          /* [NMAX][XS4] fp16 x 2^sh, dims paired (0,2),(1,3),(4,6),(5,7) */
   __shared__ int s_emax[NMAX];
   __shared__ float s_out[NMAX];
+#if PIPE < 3 || TPC == 1
   __shared__ float s_red[WARPS > 1 ? WARPS : 1][RPW][4][32]; /* the warps' partial sums */
+#endif
   const int p = MOE ? (int)blockIdx.y : 0;
   const int ntok = MOE ? 1 : n;
   const unsigned char *wb, *sb;
@@ -487,8 +570,30 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
   const int row0 = (int)blockIdx.x * RPW * 16;
 
   /* The first weights are in flight while x is staged. */
+#if PIPE >= 3
+  /* TPC consecutive 16 x RPW-row tiles, x staged once: the warps' steps over
+   * all of them form one sequence, so the ring runs on across tile ends. */
+  if (row0 >= rows) return;   /* the whole CTA */
+  const int tile0 = (int)blockIdx.x * TPC, ntiles = (rows + 16 * RPW - 1) / (16 * RPW);
+  const int ntl = ntiles - tile0 < TPC ? ntiles - tile0 : TPC;
+  unsigned char *ring = (unsigned char *)(xs4 + NMAX * XS4) + warp * (PIPE * STAGE);
+  const int nst = (NBLK - warp * UNR + WARPS * UNR - 1) / (WARPS * UNR);   /* >= 1: valid() */
+  const int total = ntl * nst;
+  /* The issue pointer (tile ni, step ns), PIPE - 1 steps ahead of the
+   * compute pointer; stepped, not divided by nst at every step. */
+  int ni = 0, ns = 0;
+#pragma unroll
+  for (int q = 0; q < PIPE - 1; q++) {
+    if (q < total) {
+      ring_issue(ring + q * STAGE, wb, sb, (tile0 + ni) * 16 * RPW, rows, warp * UNR + ns * WARPS * UNR, lane);
+      if (++ns == nst) { ns = 0; ni++; }
+    }
+    cpa_commit();
+  }
+#else
   wstep cur;
   load_step(cur, wb, sb, row0, rows, warp * UNR, g, tq);
+#endif
 
   const bf16_t *xb = MOE ? x + (long long)(p < n ? p / xdiv : (xdiv == 1 ? p : p - n)) * COLS : x;
   if (tid < NMAX) s_emax[tid] = 0;
@@ -526,11 +631,145 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
     }
   }
   __syncthreads();
+#if PIPE < 3
   if (row0 >= rows) return;
+#endif
 
   float acc[RPW][4];
 #pragma unroll
   for (int r = 0; r < RPW; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.0f;
+#if PIPE >= 3
+  /* ncu (pipes 1, 2): warps waited on their loads at every step, the bytes in
+   * flight bounded by registers.  The ring keeps PIPE - 1 steps in flight per
+   * warp without holding them in registers, and its copies are whole 128-byte
+   * lines of a row where the register loads were 32-byte pieces of 8 rows. */
+#if TPC == 1
+  /* One tile: the warps run their steps without a barrier; the column slices
+   * are summed after the loop.  (Device runs 18-20: the multi-tile loop below
+   * with tpc=1 ran 3-20% slower than this one on the non-MoE GEMVs.) */
+#pragma unroll 1
+  for (int q = 0; q < total; q++) {
+    __syncwarp();   /* every lane is done with the stage refilled below (step q - 1's) */
+    if (q + PIPE - 1 < total)
+      ring_issue(ring + ((q + PIPE - 1) % PIPE) * STAGE, wb, sb, row0, rows, warp * UNR + (q + PIPE - 1) * WARPS * UNR,
+                 lane);
+    cpa_commit();
+    cpa_wait_ring();
+    __syncwarp();   /* the other lanes' copies of stage q are visible */
+    const unsigned char *st = ring + (q % PIPE) * STAGE;
+    const int b0 = warp * UNR + q * WARPS * UNR;
+    u32 sc[RPW][2][UNR / 4];
+#pragma unroll
+    for (int r = 0; r < RPW; r++)
+#pragma unroll
+      for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int j = 0; j < UNR / 4; j++)
+          sc[r][h][j] = *(const u32 *)(st + 16 * RPW * WSTR + (16 * r + 8 * h + g) * UNR + 4 * j);
+#pragma unroll
+    for (int u = 0; u < UNR; u++) {
+      const uint4 xv = g < ntok ? xs4[g * XS4 + 4 * (b0 + u) + tq] : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+      for (int r = 0; r < RPW; r++) {
+        const uint2 q0 = *(const uint2 *)(st + (16 * r + g) * WSTR + 32 * u + 8 * tq);
+        const uint2 q1 = *(const uint2 *)(st + (16 * r + 8 + g) * WSTR + 32 * u + 8 * tq);
+        u32 a0, a2, a1, a3, c0, c2, c1, c3;
+        e4m3_word_f16(q0.x, a0, a2);
+        e4m3_word_f16(q1.x, a1, a3);
+        e4m3_word_f16(q0.y, c0, c2);
+        e4m3_word_f16(q1.y, c1, c3);
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma16816(c, a0, a1, a2, a3, xv.x, xv.y);
+        mma16816(c, c0, c1, c2, c3, xv.z, xv.w);
+        const float s0 = e8m0_to_f32((sc[r][0][u / 4] >> (8 * (u % 4))) & 0xffu);
+        const float s1 = e8m0_to_f32((sc[r][1][u / 4] >> (8 * (u % 4))) & 0xffu);
+        acc[r][0] = ffma_rn(c[0], s0, acc[r][0]);
+        acc[r][1] = ffma_rn(c[1], s0, acc[r][1]);
+        acc[r][2] = ffma_rn(c[2], s1, acc[r][2]);
+        acc[r][3] = ffma_rn(c[3], s1, acc[r][3]);
+      }
+    }
+  }
+#else
+  __shared__ float s_red2[2][WARPS][RPW][4][32];   /* by tile parity: one barrier a tile */
+  int ti = 0, sq = 0, slot = 0;   /* the compute pointer: tile, step, ring stage */
+#pragma unroll 1
+  for (int q = 0; q < total; q++) {
+    __syncwarp();   /* every lane is done with the stage refilled below (step q - 1's) */
+    if (q + PIPE - 1 < total) {
+      const int sn = slot == 0 ? PIPE - 1 : slot - 1;   /* (q + PIPE - 1) % PIPE */
+      ring_issue(ring + sn * STAGE, wb, sb, (tile0 + ni) * 16 * RPW, rows, warp * UNR + ns * WARPS * UNR, lane);
+      if (++ns == nst) { ns = 0; ni++; }
+    }
+    cpa_commit();
+    cpa_wait_ring();
+    __syncwarp();   /* the other lanes' copies of stage q are visible */
+    const unsigned char *st = ring + slot * STAGE;
+    const int b0 = warp * UNR + sq * WARPS * UNR;
+    u32 sc[RPW][2][UNR / 4];
+#pragma unroll
+    for (int r = 0; r < RPW; r++)
+#pragma unroll
+      for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int j = 0; j < UNR / 4; j++)
+          sc[r][h][j] = *(const u32 *)(st + 16 * RPW * WSTR + (16 * r + 8 * h + g) * UNR + 4 * j);
+#pragma unroll
+    for (int u = 0; u < UNR; u++) {
+      const uint4 xv = g < ntok ? xs4[g * XS4 + 4 * (b0 + u) + tq] : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+      for (int r = 0; r < RPW; r++) {
+        const uint2 q0 = *(const uint2 *)(st + (16 * r + g) * WSTR + 32 * u + 8 * tq);
+        const uint2 q1 = *(const uint2 *)(st + (16 * r + 8 + g) * WSTR + 32 * u + 8 * tq);
+        u32 a0, a2, a1, a3, c0, c2, c1, c3;
+        e4m3_word_f16(q0.x, a0, a2);
+        e4m3_word_f16(q1.x, a1, a3);
+        e4m3_word_f16(q0.y, c0, c2);
+        e4m3_word_f16(q1.y, c1, c3);
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma16816(c, a0, a1, a2, a3, xv.x, xv.y);
+        mma16816(c, c0, c1, c2, c3, xv.z, xv.w);
+        const float s0 = e8m0_to_f32((sc[r][0][u / 4] >> (8 * (u % 4))) & 0xffu);
+        const float s1 = e8m0_to_f32((sc[r][1][u / 4] >> (8 * (u % 4))) & 0xffu);
+        acc[r][0] = ffma_rn(c[0], s0, acc[r][0]);
+        acc[r][1] = ffma_rn(c[1], s0, acc[r][1]);
+        acc[r][2] = ffma_rn(c[2], s1, acc[r][2]);
+        acc[r][3] = ffma_rn(c[3], s1, acc[r][3]);
+      }
+    }
+    if (sq == nst - 1) {
+      /* Tile ti done: the warps' column slices summed (warp order:
+       * deterministic) by warp 0, while the ring's copies for the next tile
+       * are in flight.  The parity buffer is rewritten two tiles later,
+       * after a barrier warp 0 reaches only when this sum is done. */
+      const int tr0 = (tile0 + ti) * 16 * RPW;
+#pragma unroll
+      for (int r = 0; r < RPW; r++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) s_red2[ti & 1][warp][r][i][lane] = acc[r][i];
+      __syncthreads();
+      if (warp == 0) {
+#pragma unroll
+        for (int r = 0; r < RPW; r++)
+#pragma unroll
+          for (int i = 0; i < 4; i++) {
+            float v = acc[r][i];
+            for (int w2 = 1; w2 < WARPS; w2++) v = fadd_rn(v, s_red2[ti & 1][w2][r][i][lane]);
+            const int row = tr0 + 16 * r + g + 8 * (i >> 1), t = 2 * tq + (i & 1);
+            if (row < rows && t < ntok) {
+              const long long at = (long long)(MOE ? p : t) * rows + row;
+              ((bf16_t *)y)[at] = f32_to_bf16(fmul_rn(v, s_out[t]));
+            }
+          }
+      }
+#pragma unroll
+      for (int r = 0; r < RPW; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.0f;
+    }
+    if (++sq == nst) { sq = 0; ti++; }
+    if (++slot == PIPE) slot = 0;
+  }
+#endif
+#else
 #pragma unroll 1
   for (int b0 = warp * UNR; b0 < NBLK; b0 += WARPS * UNR) {
 #if PIPE == 2
@@ -569,6 +808,8 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
     cur = nxt;
 #endif
   }
+#endif
+#if PIPE < 3 || TPC == 1
   /* The warps' column slices summed (warp order: deterministic); c[0], c[1]:
    * row g, tokens 2tq, 2tq + 1; c[2], c[3]: row g + 8. */
   if (WARPS > 1) {
@@ -594,6 +835,7 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
         ((bf16_t *)y)[at] = f32_to_bf16(fmul_rn(acc[r][i], s_out[t]));
       }
     }
+#endif
 }
 ]==]
 
@@ -606,9 +848,9 @@ function T.render(k, t, arch, sym)
   elseif k.w == "e4m3" then
     src = "#ifndef FULL\n#define FULL 0xffffffffu\n#endif\n" .. I.mma("f16") .. I.e4m3_decode(t.cvt) .. F.subst("mxfp8", gemv_mma_body, {
       cols = k.cols, nmax = k.nmax, moe = k.moe, warps = t.warps, rpw = t.rpw, unroll = t.unroll, pipe = t.pipe,
-      wlog2 = t.cvt == "hw" and 0 or 8, sym = sym,
+      wlog2 = t.cvt == "hw" and 0 or 8, stage = ring_stage(t), tpc = t.tpc, sym = sym,
     })
-    smem = gemv_smem(k)
+    smem = gemv_smem(k, t)
   else
     src = F.subst("mxfp8", gemv_body, {
       wfmt = ({e4m3 = 0, bf16 = 1, f32 = 2})[k.w], outf32 = k.out == "f32" and 1 or 0, cols = k.cols,
