@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <xxhash.h>
 
@@ -12,12 +13,20 @@
 #include "runtime/log.h"
 #include "runtime/tuning_lookup.h"
 
+static double mono_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 m3_status m3_rt_open(m3_rt *rt, int ordinal, m3_err *e) {
+  const double t0 = mono_s();
   memset(rt, 0, sizeof *rt);
   M3_TRY(m3_device_open(ordinal, &rt->dev, e));
   M3_TRY(m3_jit_open(&rt->jit, e));
   M3_CUDA(e, cudaStreamCreateWithFlags(&rt->stream, cudaStreamNonBlocking));
   rt->db = m3_tuning_open(rt->jit.cache_root, &rt->dev, rt->jit.lua);
+  rt->stats.open_s = mono_s() - t0;
   return M3_OK;
 }
 
@@ -132,13 +141,19 @@ static m3_status rt_kernel_resolve(m3_rt *rt, const m3_variant *key, const m3_bu
     return M3_OK;
   }
   m3_cubin cb;
+  double t = mono_s();
   M3_TRY(m3_jit_build(&rt->jit, &v, &cb, e));
+  rt->stats.build_s += mono_s() - t;
+  if (cb.hit) rt->stats.cached++;
+  else rt->stats.compiled++;
   m3_kernel *nk = calloc(1, sizeof *nk);
   if (!nk) {
     m3_cubin_free(&cb);
     return m3_errf(e, M3_NOMEM, "kernel");
   }
+  t = mono_s();
   m3_status s = m3_module_load(cb.data, cb.size, &cb.meta, &nk->mod, e);
+  rt->stats.load_s += mono_s() - t;
   m3_cubin_free(&cb);
   if (s != M3_OK) {
     free(nk);

@@ -26,8 +26,19 @@ typedef struct m3_kernel {
   int from_tuning;        /* tile came from the tuning DB */
 } m3_kernel;
 
+/* Where a process's start-up time goes (warm start: issue 6 item 9), seconds
+ * of wall time.  open_s: m3_rt_open (driver init, primary context, the JIT's
+ * Lua state, the tuning DB).  Per kernel resolved (each distinct full key,
+ * once a process): build_s is m3_jit_build, a cubin cache read for `cached`,
+ * NVRTC for `compiled`; load_s is cuModuleLoadData. */
+typedef struct m3_rt_stats {
+  double open_s, build_s, load_s;
+  int cached, compiled;
+} m3_rt_stats;
+
 typedef struct m3_rt {
   m3_device dev;
+  m3_rt_stats stats;
   m3_jit jit;
   struct m3_tunedb *db;   /* may be NULL: defaults only */
   cudaStream_t stream;

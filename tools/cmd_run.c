@@ -77,7 +77,8 @@ static void help(void) {
       "  --help\n\n"
       "Prints the generated ids, TTFT (prefill of the whole batch), TPOT (mean decode step after the first, which\n"
       "captures the CUDA graph and is printed apart), decode tokens/s\n"
-      "and peak GPU memory in use.  Without a GPU no kernel runs: every kernel variant the model needs is\n"
+      "peak GPU memory in use, and the start-up: GPU open and the kernels (from the cubin cache or compiled, time\n"
+      "to build and to load).  Without a GPU no kernel runs: every kernel variant the model needs is\n"
       "rendered and compiled instead and the count and time are reported (exit status 0).\n"
       "Environment: M3KIT_CHECK_NUMERICS=1 scans every op's output for NaN/Inf (names layer and op).\n");
 }
@@ -712,6 +713,10 @@ int cmd_run(int argc, char **argv) {
              graph && !timing ? FIRST_STEP_GRAPH : FIRST_STEP_EAGER);
   printf("peak GPU memory in use %.2f GB (of %.2f GB; %.2f GB before loading)\n", (mw.total - mw.min_free) / 1e9,
          mw.total / 1e9, (mw.total - free0) / 1e9);
+  printf("start-up: GPU open %.0f ms (driver, context, JIT, tuning DB); %d kernels, %d from the cubin cache and %d "
+         "compiled, %.0f ms to build and %.0f ms to load\n",
+         1e3 * rt.stats.open_s, rt.stats.cached + rt.stats.compiled, rt.stats.cached, rt.stats.compiled,
+         1e3 * rt.stats.build_s, 1e3 * rt.stats.load_s);
   if (timing) {
     printf("\ndecode breakdown:\n");
     m3_forward_print_timing(f, stdout);
