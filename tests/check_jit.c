@@ -43,41 +43,70 @@ static int count_entries(const char *arch) {
 
 static const char *archs[] = {"sm_80", "sm_89", "sm_90", "sm_90a", "sm_100a", "sm_120"};
 
-/* The loop index picks an arch; every template x every needed variant. */
-START_TEST(every_variant_compiles_for_arch) {
-  fresh_cache();
-  const char *arch = archs[_i];
-  m3_jit j;
-  m3_err e;
-  ck_assert_int_eq(m3_jit_open(&j, &e), M3_OK);
+/* Every variant the minimax-m3 and tiny presets need, at its default tile
+ * for arch, handed to fn with its template's name; returns how many. */
+typedef void (*variant_fn)(m3_jit *j, const char *tmpl, const m3_variant *v, void *ctx);
+static int for_each_needed_variant(m3_jit *j, const char *arch, variant_fn fn, void *ctx) {
   const char *presets[] = {"minimax-m3", "tiny"};
-  int built = 0;
+  int count = 0;
+  m3_err e;
   for (int p = 0; p < 2; p++) {
     m3_dims d;
     if (m3_model_dims_for(presets[p], NULL, &d, &e) != M3_OK) continue;
     for (const char *const *t = m3_lua_template_names(); *t; t++) {
       m3_variant *vs;
       int n;
-      ck_assert_msg(m3_render_variants(j.lua, *t, &d, &vs, &n, &e) == M3_OK, "%s", e.msg);
+      ck_assert_msg(m3_render_variants(j->lua, *t, &d, &vs, &n, &e) == M3_OK, "%s", e.msg);
       for (int i = 0; i < n; i++) {
         snprintf(vs[i].arch, sizeof vs[i].arch, "%s", arch);
-        ck_assert_msg(m3_render_default_tile(j.lua, &vs[i], &e) == M3_OK, "%s", e.msg);
-        m3_cubin cb;
-        m3_status s = m3_jit_build(&j, &vs[i], &cb, &e);
-        ck_assert_msg(s == M3_OK, "%s", e.msg);
-        ck_assert_uint_gt(cb.size, 0);
-        /* ELF, and e_flags hold the SM number NVRTC targeted. */
-        ck_assert(cb.data[0] == 0x7f && cb.data[1] == 'E' && cb.data[2] == 'L' && cb.data[3] == 'F');
-        m3_cubin_free(&cb);
-        built++;
+        ck_assert_msg(m3_render_default_tile(j->lua, &vs[i], &e) == M3_OK, "%s", e.msg);
+        fn(j, *t, &vs[i], ctx);
+        count++;
       }
       free(vs);
     }
   }
-  ck_assert_int_gt(built, 0);
+  return count;
+}
+
+static void build_default(m3_jit *j, const char *tmpl, const m3_variant *v, void *ctx) {
+  (void)tmpl, (void)ctx;
+  m3_cubin cb;
+  m3_err e;
+  ck_assert_msg(m3_jit_build(j, v, &cb, &e) == M3_OK, "%s", e.msg);
+  ck_assert_uint_gt(cb.size, 0);
+  /* ELF, and e_flags hold the SM number NVRTC targeted. */
+  ck_assert(cb.data[0] == 0x7f && cb.data[1] == 'E' && cb.data[2] == 'L' && cb.data[3] == 'F');
+  m3_cubin_free(&cb);
+}
+
+/* The loop index picks an arch; every template x every needed variant. */
+START_TEST(every_variant_compiles_for_arch) {
+  fresh_cache();
+  m3_jit j;
+  m3_err e;
+  ck_assert_int_eq(m3_jit_open(&j, &e), M3_OK);
+  ck_assert_int_gt(for_each_needed_variant(&j, archs[_i], build_default, NULL), 0);
   m3_jit_close(&j);
 }
 END_TEST
+
+/* Every __global__ of v's source opens with M3_GRID_WAIT(); *(int *)ctx counts them. */
+static void check_grid_wait(m3_jit *j, const char *tmpl, const m3_variant *v, void *ctx) {
+  m3_source src;
+  m3_err e;
+  ck_assert_msg(m3_render_source(j->lua, v, &src, &e) == M3_OK, "%s", e.msg);
+  for (const char *g = strstr(src.text, "__global__"); g; g = strstr(g + 1, "__global__")) {
+    const char *body = strchr(g, '{');
+    ck_assert_msg(body != NULL, "%s: a __global__ without a body", tmpl);
+    body++;
+    while (*body == ' ' || *body == '\n') body++;
+    ck_assert_msg(!strncmp(body, "M3_GRID_WAIT();", 15), "%s: a kernel's first statement is not M3_GRID_WAIT(): %.60s",
+                  tmpl, body);
+    ++*(int *)ctx;
+  }
+  m3_source_free(&src);
+}
 
 /* Programmatic dependent launch (M3KIT_PDL=1, runtime/gpu.c) lets a kernel
  * start while its predecessor drains: stream order holds only if every
@@ -88,34 +117,8 @@ START_TEST(every_kernel_opens_with_the_grid_wait) {
   m3_jit j;
   m3_err e;
   ck_assert_int_eq(m3_jit_open(&j, &e), M3_OK);
-  const char *presets[] = {"minimax-m3", "tiny"};
   int kernels = 0;
-  for (int p = 0; p < 2; p++) {
-    m3_dims d;
-    if (m3_model_dims_for(presets[p], NULL, &d, &e) != M3_OK) continue;
-    for (const char *const *t = m3_lua_template_names(); *t; t++) {
-      m3_variant *vs;
-      int n;
-      ck_assert_msg(m3_render_variants(j.lua, *t, &d, &vs, &n, &e) == M3_OK, "%s", e.msg);
-      for (int i = 0; i < n; i++) {
-        snprintf(vs[i].arch, sizeof vs[i].arch, "sm_90");
-        ck_assert_msg(m3_render_default_tile(j.lua, &vs[i], &e) == M3_OK, "%s", e.msg);
-        m3_source src;
-        ck_assert_msg(m3_render_source(j.lua, &vs[i], &src, &e) == M3_OK, "%s", e.msg);
-        for (const char *g = strstr(src.text, "__global__"); g; g = strstr(g + 1, "__global__")) {
-          const char *body = strchr(g, '{');
-          ck_assert_msg(body != NULL, "%s: a __global__ without a body", *t);
-          body++;
-          while (*body == ' ' || *body == '\n') body++;
-          ck_assert_msg(!strncmp(body, "M3_GRID_WAIT();", 15), "%s: a kernel's first statement is not M3_GRID_WAIT(): %.60s",
-                        *t, body);
-          kernels++;
-        }
-        m3_source_free(&src);
-      }
-      free(vs);
-    }
-  }
+  for_each_needed_variant(&j, "sm_90", check_grid_wait, &kernels);
   ck_assert_int_gt(kernels, 0);
   m3_jit_close(&j);
 }
