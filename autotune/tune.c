@@ -232,6 +232,19 @@ static int tile_selected(const char *list, const m3_variant *v) {
   return 0;
 }
 
+
+int m3_tune_name_in_list(const char *list, const char *name) {
+  const size_t n = strlen(name);
+  for (const char *p = list; *p;) {
+    const char *c = strchr(p, ',');
+    const size_t len = c ? (size_t)(c - p) : strlen(p);
+    if (len == n && !strncmp(p, name, n)) return 1;
+    if (!c) break;
+    p = c + 1;
+  }
+  return 0;
+}
+
 m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_err *e) {
   memset(res, 0, sizeof *res);
   double t_start = now_s();
@@ -248,7 +261,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
   m3_status s = jobs && cands ? M3_OK : m3_errf(e, M3_NOMEM, "tuner");
   for (int t = 0; m3_tune_ops[t] && !s; t++) {
     const m3_tune_op *op = m3_tune_ops[t];
-    if (o->only && strcmp(o->only, op->template_name)) continue;
+    if (o->only && !m3_tune_name_in_list(o->only, op->template_name)) continue;
     m3_variant *vs = NULL;
     int nv = 0;
     if ((s = m3_render_variants(rt->jit.lua, op->template_name, &dims, &vs, &nv, e))) break;

@@ -25,7 +25,7 @@
 typedef struct m3_tune_opts {
   const char *preset;      /* default "minimax-m3" */
   const char *model_dir;   /* DIR/config.json instead of a preset */
-  const char *only;        /* template name, or NULL for all */
+  const char *only;        /* template names, comma separated ("mxfp8,attn_sparse"), or NULL for all */
   const char *shapes;      /* "tokens=1,64" style filter of buckets, or NULL */
   const char *variant;     /* only variants whose key contains this text, or NULL */
   const char *tiles;       /* only these tiles, ';'-separated ("warps=4;warps=8"), or NULL */
@@ -79,5 +79,8 @@ m3_status m3_tune_time_kernel(m3_rt *rt, const struct m3_tune_op *op, void *st, 
 
 /* Device-to-device copy bandwidth (read + write bytes / time), GB/s. */
 m3_status m3_measure_copy_gbs(m3_rt *rt, double *gbs, m3_err *e);
+
+/* 1 if `name` is one of the comma-separated names of `list` (--only). */
+int m3_tune_name_in_list(const char *list, const char *name);
 
 #endif

@@ -20,6 +20,7 @@
 
 #include "cache/store.h"
 #include "cache/tunedb.h"
+#include "autotune/tune.h"
 #include "m3config.h"
 
 /* ------------------------------------------------------------------------- */
@@ -928,6 +929,19 @@ START_TEST(print_and_plot) {
 }
 END_TEST
 
+/* m3kit tune --only takes a comma-separated list of families: whole names
+ * only (no prefix matches), any position, no empty entries matching. */
+START_TEST(only_list_matches_whole_names) {
+  ck_assert(m3_tune_name_in_list("mxfp8", "mxfp8"));
+  ck_assert(m3_tune_name_in_list("mxfp8,attn_sparse,attn_dense", "attn_sparse"));
+  ck_assert(m3_tune_name_in_list("mxfp8,attn_sparse,attn_dense", "attn_dense"));
+  ck_assert(!m3_tune_name_in_list("mxfp8,attn_sparse", "attn"));
+  ck_assert(!m3_tune_name_in_list("attn_sparse", "attn_sparse_x"));
+  ck_assert(!m3_tune_name_in_list("qknorm_rope,", ""));
+  ck_assert(!m3_tune_name_in_list("", "mxfp8"));
+}
+END_TEST
+
 /* ------------------------------------------------------------------------- */
 
 int main(void) {
@@ -965,6 +979,7 @@ int main(void) {
   TCase *out = tcase_create("output");
   tcase_set_timeout(out, 60);
   tcase_add_test(out, print_and_plot);
+  tcase_add_test(out, only_list_matches_whole_names);
   suite_add_tcase(s, out);
 
   SRunner *sr = srunner_create(s);

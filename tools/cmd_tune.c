@@ -23,7 +23,7 @@ static void help(void) {
          "winners with every candidate's timings in <cache>/tuning/<arch>.json.\n\n"
          "  --preset NAME      model config preset (default minimax-m3)\n"
          "  --model DIR        use DIR/config.json\n"
-         "  --only KERNEL      tune one kernel family (below)\n"
+         "  --only KERNELS     tune these kernel families only (below; comma separated)\n"
          "  --shapes SPEC      restrict buckets, e.g. 'tokens=1,64'\n"
          "  --budget SECONDS   stop starting new shapes after this long\n"
          "  --reps N           timed launches per candidate (default 20, minimum 20)\n"
@@ -178,9 +178,16 @@ int cmd_tune(int argc, char **argv) {
     fprintf(stderr, "m3kit tune: unexpected argument '%s' (m3kit tune --help)\n", argv[optind]);
     return 2;
   }
-  if (o.only && !m3_tune_op_find(o.only)) {
-    fprintf(stderr, "m3kit tune: --only %s: no such kernel family (m3kit tune --help lists them)\n", o.only);
-    return 2;
+  for (const char *p = o.only; p && *p;) {
+    const char *c = strchr(p, ',');
+    char name[64];
+    snprintf(name, sizeof name, "%.*s", c ? (int)(c - p) : (int)strlen(p), p);
+    if (!m3_tune_op_find(name)) {
+      fprintf(stderr, "m3kit tune: --only %s: no such kernel family '%s' (m3kit tune --help lists them)\n", o.only,
+              name);
+      return 2;
+    }
+    p = c ? c + 1 : p + strlen(p);
   }
   if (show || plot) {
     m3_device d;
