@@ -213,6 +213,18 @@ M3_DEV int out_dim(int j, int n) {
 #endif
 }
 
+/* The warps' fp32 outputs in shared memory for the CTA's merge: rows of SO
+ * floats, float4 columns swizzled.  A quarter-warp's float4 stores are 2 rows
+ * (gl, gl+1) x the 4 tq lanes; unswizzled, the tq lanes' columns 32 or 64
+ * apart shared banks (ncu, device run 18: 14.8-way conflicts on 93% of the
+ * shared-store wavefronts, ~8K cycles a CTA).  The pad puts row gl+1 8 banks
+ * on, and flipping column bits 2 and 4 by bits 5 and 6 spreads the 4 tq lanes
+ * over distinct 4-bank groups for both cache dtypes' out_dim(); the merge's
+ * reads (8 consecutive float4 of a row) stay conflict-free, since bits 5-6
+ * are fixed within them. */
+#define SO (HD + 8)
+M3_DEV int so_col(int c) { return c ^ (((c >> 5) & 1) << 2) ^ (((c >> 6) & 1) << 4); }
+
 /* Split merge: float4 columns per thread, and splits loaded per step. */
 #define MERGE_E ((GQ * HD / 4 + NW * 32 - 1) / (NW * 32))
 #define MERGE_U (MERGE_E >= 16 ? 1 : MERGE_E >= 8 ? 16 / MERGE_E : 32 / MERGE_E)
@@ -520,8 +532,8 @@ $sym(const bf16_t *__restrict__ q,          /* [N, NQ, HD] */
   attend(c, cstart + 16 * warp, cend, 16 * NW, qa, scale2, m, l, o, lane);
 
   /* Merge the CTA's warps (fixed order: deterministic). */
-  float *so = (float *)smem_raw;                /* [NW][16][HD] */
-  float *sm_m = so + NW * 16 * HD, *sm_l = sm_m + NW * 16, *sf = sm_l + NW * 16;
+  float *so = (float *)smem_raw;                /* [NW][16][SO], columns swizzled (so_col) */
+  float *sm_m = so + NW * 16 * SO, *sm_l = sm_m + NW * 16, *sf = sm_l + NW * 16;
   float *sM = sf + NW * 16, *sL = sM + 16;
   int *sflag = (int *)(sL + 16);
 #pragma unroll
@@ -533,11 +545,14 @@ $sym(const bf16_t *__restrict__ q,          /* [N, NQ, HD] */
     sm_m[warp * 16 + gl] = m[0]; sm_m[warp * 16 + gl + 8] = m[1];
     sm_l[warp * 16 + gl] = l[0]; sm_l[warp * 16 + gl + 8] = l[1];
   }
-  float *sw = so + warp * 16 * HD;
+  float *sw = so + warp * 16 * SO;
 #pragma unroll
-  for (int j = 0; j < 16; j++)
+  for (int j = 0; j < 16; j += 4)
 #pragma unroll
-    for (int i = 0; i < 4; i++) sw[(gl + 8 * (i >> 1)) * HD + out_dim(j, 2 * tq + (i & 1))] = o[j][i];
+    for (int i = 0; i < 4; i++) {
+      const int c = out_dim(j, 2 * tq + (i & 1));   /* j..j+3 are columns c..c+3 */
+      *(float4 *)(sw + (gl + 8 * (i >> 1)) * SO + so_col(c)) = make_float4(o[j][i], o[j + 1][i], o[j + 2][i], o[j + 3][i]);
+    }
   __syncthreads();
   if (threadIdx.x < 16) {
     const int r = threadIdx.x;
@@ -560,7 +575,7 @@ $sym(const bf16_t *__restrict__ q,          /* [N, NQ, HD] */
     float a0 = 0, a1 = 0, a2 = 0, a3 = 0;
     for (int w = 0; w < NW; w++) {
       const float fw = sf[w * 16 + r];
-      const float4 v = *(const float4 *)(so + (w * 16 + r) * HD + d);
+      const float4 v = *(const float4 *)(so + (w * 16 + r) * SO + so_col(d));
       a0 += fw * v.x; a1 += fw * v.y; a2 += fw * v.z; a3 += fw * v.w;
     }
     if (nsplit == 1) {
@@ -699,7 +714,7 @@ $sym(const bf16_t *__restrict__ q,          /* [N, NQ, HD] */
 -- outputs (and later reuses the area for the split factors); prefill stages
 -- each warp's bf16 output rows.
 function A.smem(decode, warps)
-  if decode then return warps * 16 * 128 * 4 + (3 * warps * 16 + 2 * 16) * 4 + 16 end
+  if decode then return warps * 16 * (128 + 8) * 4 + (3 * warps * 16 + 2 * 16) * 4 + 16 end
   return warps * 16 * 128 * 2
 end
 
