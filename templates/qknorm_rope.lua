@@ -117,11 +117,25 @@ M3_DEV double warp_sum_d(double v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-M3_DEV f4 norm_rope(f4 x, const bf16_t *w, const bf16_t *cs, float eps, int lane) {
+/* The lane's norm weights and cos/sin, loaded before the warp's sum (after
+ * it they were a second dependent round trip per head): the weights with the
+ * head vector, cos/sin once the position has been checked. */
+struct aux { f4 w, c, s; };
+M3_DEV void load_cos_sin(aux &a, const bf16_t *cs, int lane) {
+  const int half_lanes = ROT / 8;
+  const int m = lane < half_lanes ? lane * 4 : lane * 4 - ROT / 2;
+  if (lane < 2 * half_lanes) {
+    a.c = load4(cs + m);
+    a.s = load4(cs + ROT / 2 + m);
+  } else {
+    for (int i = 0; i < 4; i++) a.c.v[i] = a.s.v[i] = 0.0f;
+  }
+}
+M3_DEV f4 norm_rope(f4 x, const aux &a, float eps, int lane) {
   double ss = (double)x.v[0] * x.v[0] + (double)x.v[1] * x.v[1] + (double)x.v[2] * x.v[2] + (double)x.v[3] * x.v[3];
   ss = warp_sum_d(ss);
   float r = __frcp_rn(__fsqrt_rn(__fadd_rn(__fmul_rn((float)ss, 1.0f / HD), eps)));
-  f4 wv = load4(w + lane * 4);
+  const f4 wv = a.w;
   for (int i = 0; i < 4; i++) x.v[i] = __fmul_rn(__fmul_rn(x.v[i], r), __fadd_rn(1.0f, wv.v[i]));
   const int half_lanes = ROT / 8;
   int first = lane < half_lanes;
@@ -129,8 +143,7 @@ M3_DEV f4 norm_rope(f4 x, const bf16_t *w, const bf16_t *cs, float eps, int lane
   f4 o;
   for (int i = 0; i < 4; i++) o.v[i] = __shfl_sync(0xffffffffu, x.v[i], partner < 32 ? partner : lane);
   if (lane < 2 * half_lanes) {
-    int m = first ? lane * 4 : lane * 4 - ROT / 2;
-    f4 c = load4(cs + m), s = load4(cs + ROT / 2 + m);
+    const f4 c = a.c, s = a.s;
     for (int i = 0; i < 4; i++)
       x.v[i] = first ? __fsub_rn(__fmul_rn(x.v[i], c.v[i]), __fmul_rn(o.v[i], s.v[i]))
                      : __fadd_rn(__fmul_rn(x.v[i], c.v[i]), __fmul_rn(o.v[i], s.v[i]));
@@ -154,12 +167,18 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
   M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
   const int lane = threadIdx.x & 31;
   const i64 warp = (i64)blockIdx.x * WARPS + (threadIdx.x >> 5);
-  /* Two passes over the warp's HPW head slots: first every load is issued
-   * (metadata, then the 256-byte head vectors), then each is normed, rotated
-   * and stored.  One head vector per warp in flight leaves an SM far short of
-   * the bytes in flight that DRAM latency x its share of bandwidth needs; HPW
-   * of them (the tile) multiply it. */
+  /* Three passes over the warp's HPW head slots.  First every load that
+   * needs only the token index is issued at once: its slot and position, the
+   * 256-byte head vector and the norm weight (a token index < n_tokens is
+   * always a readable row).  Then, once the metadata is in, padding rows
+   * (slot < 0) and positions outside the RoPE table are dropped before their
+   * cos/sin is read (known-faults #5, #24), and the rest issue it.  Last,
+   * each is normed, rotated and stored.  So a head costs two dependent
+   * round trips, not four (slot, then position, then vector, then cos/sin),
+   * and HPW heads per warp (the tile) multiply the bytes in flight that DRAM
+   * latency x an SM's share of bandwidth needs. */
   f4 xin[HPW];
+  aux ax[HPW];
   i64 tok[HPW], slt[HPW], psn[HPW];
   int sl[HPW];
 #pragma unroll
@@ -169,38 +188,43 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
     if (item >= (i64)n_tokens * SLOTS) continue;
     const i64 t = item / SLOTS;
     const int s = (int)(item - t * SLOTS);
-    /* Padding rows (slot < 0) and positions outside the RoPE table are skipped
-     * before anything else is read for them (known-faults #5, #24). */
-    i64 slot = -1;
-    if (INSERT) {
-      slot = slot_mapping[t];
-      if (slot < 0) continue;
-    }
-    const i64 pos = positions[t];
-    if (pos < 0 || pos >= max_pos) continue;
+    slt[h] = INSERT ? slot_mapping[t] : -1;
+    psn[h] = positions[t];
     /* Slots enumerate q, k, (v with insert), iq, ik: the row's head order,
      * less the v heads when they are not inserted. */
     const int head = (INSERT || s < NQ + NKV) ? s : s + NKV;
     xin[h] = load4(qkv + t * (i64)ROW + head * HD + lane * 4);
-    tok[h] = t, slt[h] = slot, psn[h] = pos, sl[h] = s;
+    /* the head's norm weight: q, k (v: none, a harmless k load), iq, ik */
+    int r = s;
+    const bf16_t *w = q_w;
+    if (r >= NQ) { r -= NQ; w = k_w; if (r >= NKV) { r -= NKV; if (INSERT && r < NKV) w = k_w;
+      else { if (INSERT) r -= NKV; w = r < NIQ ? iq_w : ik_w; } } }
+    ax[h].w = load4(w + lane * 4);
+    tok[h] = t, sl[h] = s;
+  }
+#pragma unroll
+  for (int h = 0; h < HPW; h++) {
+    if (sl[h] < 0) continue;
+    const i64 pos = psn[h];
+    if ((INSERT && slt[h] < 0) || pos < 0 || pos >= max_pos) { sl[h] = -1; continue; }
+    load_cos_sin(ax[h], cos_sin + pos * ROT, lane);
   }
 #pragma unroll
   for (int h = 0; h < HPW; h++) {
     int s = sl[h];
     if (s < 0) continue;
     const i64 t = tok[h], slot = slt[h];
-    const bf16_t *cs = cos_sin + psn[h] * ROT;
     bf16_t *row = qkv + t * (i64)ROW;
     const i64 page = slot / BS, off = slot % BS;
     if (s < NQ) {                                   /* Q head */
-      f4 x = norm_rope(xin[h], q_w, cs, eps, lane);
+      f4 x = norm_rope(xin[h], ax[h], eps, lane);
       store4_bf16(q_out ? q_out + t * (i64)(NQ * HD) + s * HD + lane * 4 : row + s * HD + lane * 4, x);
       continue;
     }
     s -= NQ;
     if (s < NKV) {                                  /* K head */
       bf16_t *src = row + (NQ + s) * HD + lane * 4;
-      f4 x = norm_rope(xin[h], k_w, cs, eps, lane);
+      f4 x = norm_rope(xin[h], ax[h], eps, lane);
       store4_bf16(src, x);
       if (INSERT) {
         i64 at = ((page * NKV + s) * BS + off) * (2 * HD) + lane * 4;
@@ -221,7 +245,7 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
 #if SPARSE
     if (s < NIQ) {                                  /* index-Q head */
       bf16_t *src = row + (NQ + 2 * NKV + s) * HD + lane * 4;
-      f4 x = norm_rope(xin[h], iq_w, cs, eps, lane);
+      f4 x = norm_rope(xin[h], ax[h], eps, lane);
       if (index_q_out) {
         i64 at = t * (i64)(NIQ * HD) + s * HD + lane * 4;
         if (IDX_E4M3) store4_e4m3((e4m3_t *)index_q_out + at, x);
@@ -233,7 +257,7 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
     }
     {                                               /* the single index-K head */
       bf16_t *src = row + (NQ + 2 * NKV + NIQ) * HD + lane * 4;
-      f4 x = norm_rope(xin[h], ik_w, cs, eps, lane);
+      f4 x = norm_rope(xin[h], ax[h], eps, lane);
       store4_bf16(src, x);
       if (INSERT) {
         i64 islot = index_slot_mapping ? index_slot_mapping[t] : slot;
