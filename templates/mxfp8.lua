@@ -124,9 +124,16 @@ function T.valid(k, t, arch)
   if k.cols % 8 ~= 0 then return false, "cols % 8 must be 0 (16-byte staging of x)" end
   if k.w == "e4m3" and k.out ~= "bf16" then return false, "W8A16 writes bf16 (out=bf16)" end
   if k.moe == 1 and k.nmax ~= 1 then return false, "the MoE GEMV runs one token per (token, expert) pair: nmax=1" end
-  if gemv_smem(k, t) > smem_limit(arch) then
-    return false, string.format("staging x%s needs %d B of shared memory > %d on %s",
-                                t.pipe >= 3 and " and the cp.async ring" or "", gemv_smem(k, t), smem_limit(arch), arch)
+  -- dynamic + the W8A16 kernel's static arrays (s_emax, s_out, the warps'
+  -- partial sums: s_red, or s_red2 by tile parity): the driver bounds the sum
+  local static = 0
+  if k.w == "e4m3" then
+    static = 8 * k.nmax + 512 * t.warps * t.rpw * ((t.pipe >= 3 and t.tpc > 1) and 2 or 1)
+  end
+  if gemv_smem(k, t) + static > smem_limit(arch) then
+    return false, string.format("staging x%s needs %d B of shared memory (+ %d static) > %d on %s",
+                                t.pipe >= 3 and " and the cp.async ring" or "", gemv_smem(k, t), static,
+                                smem_limit(arch), arch)
   end
   if t.rpw * k.nmax > 32 then return false, "rpw x nmax > 32 accumulators per lane" end
   if t.rpw * t.unroll > 8 then return false, "rpw x unroll > 8 loads in flight per lane (registers)" end
@@ -427,8 +434,13 @@ local gemv_mma_body = [==[
 #define XS4 (COLS / 8 + 1)       /* uint4 per staged token row (16 bytes of padding) */
 #define STAGE $stage             /* pipe >= 3: bytes of one ring stage (weights, then E8M0) */
 #define WSTR (UNR * 32 + 32)     /* a row's bytes in a ring stage, padded */
+/* Two selects, no branch: the nested float ternary compiled to a branch per
+ * scale (two a block in the mma loop; SASS of device run 21's winners). */
 M3_DEV float e8m0_to_f32(u32 s) {
-  return s == 0u ? __uint_as_float(0x00400000u) : (s == 255u ? __uint_as_float(0x7fc00000u) : __uint_as_float(s << 23));
+  u32 b = s << 23;
+  b = s == 0u ? 0x00400000u : b;
+  b = s == 255u ? 0x7fc00000u : b;
+  return __uint_as_float(b);
 }
 M3_DEV float pow2f(int e) { return __uint_as_float((u32)(e + 127) << 23); } /* e in [-126, 127] */
 
@@ -495,9 +507,26 @@ M3_DEV void cpa_wait_ring(void) {
 
 /* Copy blocks [b0, b0 + UNR) of the tile's 16 x RPW rows into ring stage st:
  * row rr's weight bytes at st + rr * WSTR, its E8M0 bytes at st + 16 RPW WSTR
- * + rr UNR.  8 consecutive lanes copy one row's 128 contiguous bytes. */
+ * + rr UNR.  2 UNR consecutive lanes copy a row's 32 UNR contiguous bytes. */
 M3_DEV void ring_issue(unsigned char *st, const unsigned char *wb, const unsigned char *sb, int row0, int rows,
                        int b0, int lane) {
+  /* Lane l copies chunk l % (2 UNR) of rows l / (2 UNR) + i 32 / (2 UNR) (2 UNR
+   * lanes a row's 32 UNR bytes): in a
+   * full tile (all but the last) one address a step and constant offsets, where
+   * the general loop below spent a 64-bit multiply and a select a chunk. */
+  constexpr int RSTEP = 32 / (2 * UNR);
+  if (row0 + 16 * RPW <= rows) {
+    const int rl = lane / (2 * UNR), cc = lane % (2 * UNR);
+    const unsigned char *src = wb + (long long)(row0 + rl) * COLS + 32 * b0 + 16 * cc;
+    unsigned char *dst = st + rl * WSTR + 16 * cc;
+#pragma unroll
+    for (int i = 0; i < RPW * UNR; i++) cpa16(dst + i * RSTEP * WSTR, src + (long long)i * RSTEP * COLS, 16);
+    if (lane < 4 * RPW * UNR) {
+      const int rr = lane / (UNR / 4), j = lane % (UNR / 4);
+      cpa4(st + 16 * RPW * WSTR + rr * UNR + 4 * j, sb + (long long)(row0 + rr) * NBLK + b0 + 4 * j, 4);
+    }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < RPW * UNR; i++) {
     const int c = i * 32 + lane, rr = c / (2 * UNR), cc = c % (2 * UNR);
@@ -509,6 +538,43 @@ M3_DEV void ring_issue(unsigned char *st, const unsigned char *wb, const unsigne
     const int ok = row0 + rr < rows;
     cpa4(st + 16 * RPW * WSTR + rr * UNR + 4 * j, ok ? sb + (long long)(row0 + rr) * NBLK + b0 + 4 * j : sb,
          ok ? 4 : 0);
+  }
+}
+
+/* One ring stage into the accumulators: blocks [b0, b0 + UNR) of the tile's
+ * rows, decoded to fp16, two mma.m16n8k16 a block, scaled by the rows' E8M0. */
+M3_DEV void ring_compute(float (&acc)[RPW][4], const unsigned char *st, const uint4 *xs4, int b0, int g, int tq,
+                         int ntok) {
+  u32 sc[RPW][2][UNR / 4];
+#pragma unroll
+  for (int r = 0; r < RPW; r++)
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+      for (int j = 0; j < UNR / 4; j++)
+        sc[r][h][j] = *(const u32 *)(st + 16 * RPW * WSTR + (16 * r + 8 * h + g) * UNR + 4 * j);
+#pragma unroll
+  for (int u = 0; u < UNR; u++) {
+    const uint4 xv = g < ntok ? xs4[g * XS4 + 4 * (b0 + u) + tq] : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int r = 0; r < RPW; r++) {
+      const uint2 q0 = *(const uint2 *)(st + (16 * r + g) * WSTR + 32 * u + 8 * tq);
+      const uint2 q1 = *(const uint2 *)(st + (16 * r + 8 + g) * WSTR + 32 * u + 8 * tq);
+      u32 a0, a2, a1, a3, c0, c2, c1, c3;
+      e4m3_word_f16(q0.x, a0, a2);
+      e4m3_word_f16(q1.x, a1, a3);
+      e4m3_word_f16(q0.y, c0, c2);
+      e4m3_word_f16(q1.y, c1, c3);
+      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma16816(c, a0, a1, a2, a3, xv.x, xv.y);
+      mma16816(c, c0, c1, c2, c3, xv.z, xv.w);
+      const float s0 = e8m0_to_f32((sc[r][0][u / 4] >> (8 * (u % 4))) & 0xffu);
+      const float s1 = e8m0_to_f32((sc[r][1][u / 4] >> (8 * (u % 4))) & 0xffu);
+      acc[r][0] = ffma_rn(c[0], s0, acc[r][0]);
+      acc[r][1] = ffma_rn(c[1], s0, acc[r][1]);
+      acc[r][2] = ffma_rn(c[2], s1, acc[r][2]);
+      acc[r][3] = ffma_rn(c[3], s1, acc[r][3]);
+    }
   }
 }
 #endif
@@ -654,48 +720,20 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
   /* One tile: the warps run their steps without a barrier; the column slices
    * are summed after the loop.  (Device runs 18-20: the multi-tile loop below
    * with tpc=1 ran 3-20% slower than this one on the non-MoE GEMVs.) */
+  int slot1 = 0;   /* q % PIPE, stepped (PIPE = 3 was a multiply-high a step) */
 #pragma unroll 1
   for (int q = 0; q < total; q++) {
     __syncwarp();   /* every lane is done with the stage refilled below (step q - 1's) */
     if (q + PIPE - 1 < total)
-      ring_issue(ring + ((q + PIPE - 1) % PIPE) * STAGE, wb, sb, row0, rows, warp * UNR + (q + PIPE - 1) * WARPS * UNR,
-                 lane);
+      ring_issue(ring + (slot1 == 0 ? PIPE - 1 : slot1 - 1) * STAGE, wb, sb, row0, rows,
+                 warp * UNR + (q + PIPE - 1) * WARPS * UNR, lane);
     cpa_commit();
     cpa_wait_ring();
     __syncwarp();   /* the other lanes' copies of stage q are visible */
-    const unsigned char *st = ring + (q % PIPE) * STAGE;
+    const unsigned char *st = ring + slot1 * STAGE;
+    if (++slot1 == PIPE) slot1 = 0;
     const int b0 = warp * UNR + q * WARPS * UNR;
-    u32 sc[RPW][2][UNR / 4];
-#pragma unroll
-    for (int r = 0; r < RPW; r++)
-#pragma unroll
-      for (int h = 0; h < 2; h++)
-#pragma unroll
-        for (int j = 0; j < UNR / 4; j++)
-          sc[r][h][j] = *(const u32 *)(st + 16 * RPW * WSTR + (16 * r + 8 * h + g) * UNR + 4 * j);
-#pragma unroll
-    for (int u = 0; u < UNR; u++) {
-      const uint4 xv = g < ntok ? xs4[g * XS4 + 4 * (b0 + u) + tq] : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-      for (int r = 0; r < RPW; r++) {
-        const uint2 q0 = *(const uint2 *)(st + (16 * r + g) * WSTR + 32 * u + 8 * tq);
-        const uint2 q1 = *(const uint2 *)(st + (16 * r + 8 + g) * WSTR + 32 * u + 8 * tq);
-        u32 a0, a2, a1, a3, c0, c2, c1, c3;
-        e4m3_word_f16(q0.x, a0, a2);
-        e4m3_word_f16(q1.x, a1, a3);
-        e4m3_word_f16(q0.y, c0, c2);
-        e4m3_word_f16(q1.y, c1, c3);
-        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        mma16816(c, a0, a1, a2, a3, xv.x, xv.y);
-        mma16816(c, c0, c1, c2, c3, xv.z, xv.w);
-        const float s0 = e8m0_to_f32((sc[r][0][u / 4] >> (8 * (u % 4))) & 0xffu);
-        const float s1 = e8m0_to_f32((sc[r][1][u / 4] >> (8 * (u % 4))) & 0xffu);
-        acc[r][0] = ffma_rn(c[0], s0, acc[r][0]);
-        acc[r][1] = ffma_rn(c[1], s0, acc[r][1]);
-        acc[r][2] = ffma_rn(c[2], s1, acc[r][2]);
-        acc[r][3] = ffma_rn(c[3], s1, acc[r][3]);
-      }
-    }
+    ring_compute(acc, st, xs4, b0, g, tq, ntok);
   }
 #else
   __shared__ float s_red2[2][WARPS][RPW][4][32];   /* by tile parity: one barrier a tile */
@@ -713,37 +751,7 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
     __syncwarp();   /* the other lanes' copies of stage q are visible */
     const unsigned char *st = ring + slot * STAGE;
     const int b0 = warp * UNR + sq * WARPS * UNR;
-    u32 sc[RPW][2][UNR / 4];
-#pragma unroll
-    for (int r = 0; r < RPW; r++)
-#pragma unroll
-      for (int h = 0; h < 2; h++)
-#pragma unroll
-        for (int j = 0; j < UNR / 4; j++)
-          sc[r][h][j] = *(const u32 *)(st + 16 * RPW * WSTR + (16 * r + 8 * h + g) * UNR + 4 * j);
-#pragma unroll
-    for (int u = 0; u < UNR; u++) {
-      const uint4 xv = g < ntok ? xs4[g * XS4 + 4 * (b0 + u) + tq] : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-      for (int r = 0; r < RPW; r++) {
-        const uint2 q0 = *(const uint2 *)(st + (16 * r + g) * WSTR + 32 * u + 8 * tq);
-        const uint2 q1 = *(const uint2 *)(st + (16 * r + 8 + g) * WSTR + 32 * u + 8 * tq);
-        u32 a0, a2, a1, a3, c0, c2, c1, c3;
-        e4m3_word_f16(q0.x, a0, a2);
-        e4m3_word_f16(q1.x, a1, a3);
-        e4m3_word_f16(q0.y, c0, c2);
-        e4m3_word_f16(q1.y, c1, c3);
-        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        mma16816(c, a0, a1, a2, a3, xv.x, xv.y);
-        mma16816(c, c0, c1, c2, c3, xv.z, xv.w);
-        const float s0 = e8m0_to_f32((sc[r][0][u / 4] >> (8 * (u % 4))) & 0xffu);
-        const float s1 = e8m0_to_f32((sc[r][1][u / 4] >> (8 * (u % 4))) & 0xffu);
-        acc[r][0] = ffma_rn(c[0], s0, acc[r][0]);
-        acc[r][1] = ffma_rn(c[1], s0, acc[r][1]);
-        acc[r][2] = ffma_rn(c[2], s1, acc[r][2]);
-        acc[r][3] = ffma_rn(c[3], s1, acc[r][3]);
-      }
-    }
+    ring_compute(acc, st, xs4, b0, g, tq, ntok);
     if (sq == nst - 1) {
       /* Tile ti done: the warps' column slices summed (warp order:
        * deterministic) by warp 0, while the ring's copies for the next tile
