@@ -8,12 +8,12 @@
 # into $OUT/device-run.tar.gz (the device tool returns a few files only) and
 # the one-line results are also in $OUT/summary.txt.
 # Time limits (seconds): T_TEST (each test and sanitizer run, default 280),
-# TPOT_PDL=1 (the TPOT curve again under M3KIT_PDL=1), T_TUNE (480; T_TUNE2 for the second tune; TUNE_ARGS more tune options, e.g. --only mxfp8), T_BENCH (240), T_RUN (150), T_TPOT (300),
+# TPOT_PDL=1 (the TPOT curve again with M3KIT_PDL=0, PDL off), T_TUNE (480; T_TUNE2 for the second tune; TUNE_ARGS more tune options, e.g. --only mxfp8), T_BENCH (240), T_RUN (150), T_TPOT (300),
 # T_TP (520: the whole tp phase, its test and then tp_tpot.sh in what is left; TP_LIST, TP_CONTEXTS,
 # TP_BATCHES narrow the sweep, TP_ARGS adds tp_tpot.sh options, e.g. "--append --timing-only", TP_PREV an
 # earlier call's tp/ output for --append).  TESTS and SANITIZE
 # narrow the test programs (default: every ./check_*_gpu; the five kernel ones); TEST_ENV="VAR=1 ..." is the
-# plain tests' environment (e.g. M3KIT_PDL=1), not the sanitizers' or the tune's; a SANITIZE entry
+# plain tests' environment (e.g. M3KIT_PDL=0), not the sanitizers' or the tune's; a SANITIZE entry
 # PROGRAM:CASE sanitizes one test case (CK_RUN_CASE) of it; SAN_TOOLS narrows the tools, PROGRAM[:CASE]@T1+T2
 # gives one entry its own; SAN_ARGS adds compute-sanitizer options (e.g. --print-limit 20).
 # Never run two device-run.sh at once: each packs and then empties $OUT.
@@ -140,9 +140,9 @@ if has tpot && [ -f ./tpot_curve.sh ]; then
   curve ${T_TORCH:+--torch-budget $T_TORCH} --out "$OUT/tpot" > "$L/tpot.log" 2>&1
   log "tpot curve rc=$? at $(elapsed) s: $(tail -n 1 "$L/tpot.log")"
   if [ "${TPOT_PDL:-0}" = 1 ]; then
-    # The same curve with programmatic dependent launch (M3KIT_PDL=1), right after, for the ratio.
-    ( export M3KIT_PDL=1; curve --no-torch --out "$OUT/tpot-pdl" ) > "$L/tpot-pdl.log" 2>&1
-    log "tpot curve M3KIT_PDL=1 rc=$? at $(elapsed) s: $(tail -n 1 "$L/tpot-pdl.log")"
+    # The same curve without programmatic dependent launch (M3KIT_PDL=0), right after, for the ratio.
+    ( export M3KIT_PDL=0; curve --no-torch --out "$OUT/tpot-nopdl" ) > "$L/tpot-nopdl.log" 2>&1
+    log "tpot curve M3KIT_PDL=0 rc=$? at $(elapsed) s: $(tail -n 1 "$L/tpot-nopdl.log")"
   fi
 fi
 if has tp; then

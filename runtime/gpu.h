@@ -44,7 +44,7 @@ typedef struct m3_module {
   CUmodule mod;
   CUfunction fn;
   int threads, smem;
-  int pdl;             /* 1: launched with programmatic stream serialization (M3KIT_PDL=1, an sm_90+ image) */
+  int pdl;             /* 1: launched with programmatic stream serialization (an sm_90+ image, unless M3KIT_PDL=0) */
   char entry[96];
 } m3_module;
 

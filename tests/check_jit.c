@@ -108,7 +108,7 @@ static void check_grid_wait(m3_jit *j, const char *tmpl, const m3_variant *v, vo
   m3_source_free(&src);
 }
 
-/* Programmatic dependent launch (M3KIT_PDL=1, runtime/gpu.c) lets a kernel
+/* Programmatic dependent launch (on unless M3KIT_PDL=0, runtime/gpu.c) lets a kernel
  * start while its predecessor drains: stream order holds only if every
  * kernel's first statement is M3_GRID_WAIT() (lib/prelude.lua).  A template
  * that forgets it races under PDL alone, which no numeric test catches

@@ -12,14 +12,19 @@ typedef unsigned short bf16_t;
 typedef unsigned char e4m3_t;
 typedef long long i64;
 #define M3_DEV static __device__ __forceinline__
-/* Programmatic dependent launch (sm_90+; m3_launch with M3KIT_PDL=1): a
- * kernel may be scheduled while the previous one in its stream drains, and
- * waits here, as the first statement of every kernel, for that grid's
- * completion and memory - so stream order holds exactly; only the launch
- * latency and block scheduling overlap.  Without the attribute it returns at
- * once; the CPU emulator runs launches in order (no-op). */
+/* Programmatic dependent launch (sm_90+; m3_launch uses it unless
+ * M3KIT_PDL=0): a kernel may be scheduled while the previous one in its
+ * stream drains, and waits here, as the first statement of every kernel, for
+ * that grid's completion and memory - so stream order holds exactly.  Right
+ * after the wait it lets its own successor be scheduled: that grid's CTAs then
+ * take the SM room this one leaves and sit at their own wait, so the launch
+ * latency and block scheduling of the next kernel overlap this one's run.
+ * (The trigger fires once every CTA of this grid has run it, i.e. all are
+ * resident: a waiting successor never keeps one of them off an SM.)  Without
+ * the launch attribute both return at once; the CPU emulator runs launches
+ * in order (no-op). */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define M3_GRID_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define M3_GRID_WAIT() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
 #else
 #define M3_GRID_WAIT() ((void)0)
 #endif
