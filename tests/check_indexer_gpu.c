@@ -6,9 +6,11 @@
  * How selections are compared (honestly, since the GPU sums each 128-term dot
  * in another order than m3_ref_dot_f32): position by position against the
  * reference's list, an entry may differ only if the reference's forced block
- * scores of the two blocks differ, and by at most 1e-5 relative ("near-tie
- * swap"; counted and printed, and more than 1% of rows fails); exactly equal
- * scores must resolve to the lower block id, as in the reference; every list
+ * scores of the two blocks are within 1e-5 relative ("near-tie swap"; counted
+ * and printed, and more than 1% of rows fails; this includes two blocks of
+ * different keys whose sums round to the same float); equal scores of blocks
+ * on one physical page, and in the exact cases all equal scores, must
+ * resolve to the lower block id, as in the reference; every list
  * must hold min(topk, nb) distinct visible blocks followed by -1.  Where a test
  * makes every score exact (zero queries, identical pages, forced blocks only,
  * NaN/Inf groups which take the exact path) no swap is allowed.  Prefill block
@@ -234,7 +236,15 @@ static int compare_topk(const prob *p, const float *forced, const int32_t *gpu, 
         if (g[k] == rf[k]) continue;
         const float sa = sc[g[k]], sb = sc[rf[k]];
         const double d = fabs((double)sa - (double)sb), m = fmax(fabs((double)sa), fabs((double)sb));
-        ck_assert_msg(!exact && sa != sb && d <= SWAP_REL * m,
+        /* An exact tie of the reference's scores is a near tie too where the
+         * two blocks hold different keys: their sums can round to the same
+         * float while the GPU's own (other-order) sums of them do not tie
+         * (device run 23: 36.9192963 twice, among ~20K ranked pairs).  Blocks
+         * on the same physical page must tie on the GPU as well, so there the
+         * lower id must win (and in the exact cases everywhere). */
+        const int64_t brow = (int64_t)p->token_seq[t] * p->bt_stride;
+        const int same_keys = p->bt[brow + g[k]] == p->bt[brow + rf[k]];
+        ck_assert_msg(!exact && (sa != sb || !same_keys) && d <= SWAP_REL * m,
                       "%s: head %d token %d pos %" PRId64 " slot %d: block %d (ref score %.9g), reference block %d "
                       "(%.9g)%s", ctx, h, t, p->pos[t], k, g[k], sa, rf[k], sb,
                       sa == sb ? ": an exact tie must go to the lower block id" : "");
