@@ -59,7 +59,9 @@ T.tiles = {
   {"cvt", {"alu", "hw"}},           -- e4m3 -> fp16 (W8A16 GEMV): bit moves, or cvt.rn.f16x2.e4m3x2
   {"pipe", {1, 2, 3, 4}},           -- W8A16 GEMV: 1 = load then compute; 2 = the next step's loads in registers
                                     -- during this step's mma; 3, 4 = a per-warp cp.async ring of that many stages
-  {"tpc", {1, 2, 4, 8}},            -- W8A16 GEMV with the ring: 16 x rpw-row tiles per CTA (x staged once for all)
+  {"tpc", {1, 2, 3, 4, 6, 8}},      -- W8A16 GEMV with the ring: 16 x rpw-row tiles per CTA (x staged once for all);
+                                    -- 3 and 6 even out the CTAs per SM (ncu, device run 24: the MoE down's 192
+                                    -- CTAs of tpc=8 put 2 on 60 SMs and 1 on 72; gate|up's 96 left 36 SMs idle)
 }
 
 -- Opt-in dynamic shared memory per block, by SM generation.
