@@ -80,7 +80,8 @@ m3_status m3_tune_time_kernel(m3_rt *rt, const struct m3_tune_op *op, void *st, 
 /* Device-to-device copy bandwidth (read + write bytes / time), GB/s. */
 m3_status m3_measure_copy_gbs(m3_rt *rt, double *gbs, m3_err *e);
 
-/* 1 if `name` is one of the comma-separated names of `list` (--only). */
+/* 1 if `name` is one of the comma-separated names of `list` (whole names: the
+ * --only lists of m3kit tune and m3kit bench). */
 int m3_tune_name_in_list(const char *list, const char *name);
 
 #endif

@@ -106,8 +106,8 @@ m3_status m3_module_load(const uint8_t *cubin, size_t size, const m3_cubin_meta 
   out->smem = meta->smem;
   /* PDL (on unless M3KIT_PDL=0) only where the image can wait for its
    * predecessor (griddepcontrol is sm_90+; every template's kernels open with
-   * M3_GRID_WAIT, lib/prelude.lua).  Device run 16: TPOT 1.5-2.6% lower with
-   * it, and every GPU test passed under it (run 15). */
+   * M3_GRID_WAIT, lib/prelude.lua).  Device run 24: TPOT 3.1-4.8% lower with
+   * it; every GPU test runs under it. */
   int bin = 0;
   const char *pdl = getenv("M3KIT_PDL");
   out->pdl = !(pdl && *pdl == '0') &&

@@ -100,15 +100,6 @@ static m3_status bench_insert(m3_rt *rt, const m3_bench_ctx *bc, FILE *out, m3_e
   return m3_bench_insert(rt, bc->copy_gbs, out, e);
 }
 
-/* NAME in a comma-separated LIST (NULL: every name). */
-static int listed(const char *list, const char *name) {
-  if (!list) return 1;
-  size_t n = strlen(name);
-  for (const char *p = list; p && *p; p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL)
-    if (!strncmp(p, name, n) && (p[n] == ',' || p[n] == 0)) return 1;
-  return 0;
-}
-
 static const m3_bench_entry entries[] = {
     {"qknorm_rope", bench_qknorm},
     {"insert", bench_insert},
@@ -175,7 +166,7 @@ int cmd_bench(int argc, char **argv) {
           rt.dev.name, rt.dev.arch, rt.dev.sm_count, date, cmd, bc.copy_gbs, bc.gemm_tflops);
   int rc = 0;
   for (size_t i = 0; i < sizeof entries / sizeof *entries; i++) {
-    if (!entries[i].name || !listed(only, entries[i].name)) continue;
+    if (!entries[i].name || (only && !m3_tune_name_in_list(only, entries[i].name))) continue;
     fprintf(stderr, "m3kit bench: %s...\n", entries[i].name);
     if ((s = entries[i].fn(&rt, &bc, out, &e))) {
       fprintf(out, "\n**%s failed: %s**\n", entries[i].name, e.msg);
