@@ -1,7 +1,7 @@
 #!/bin/sh
 # device-run.sh - everything one H200 session should measure, in one call:
 #   ./bench/pack-device.sh here, then on the device (carry [".dev"]):
-#   cd .dev && sh device-run.sh [tests] [sanitize] [tune] [tune2] [bench] [bench-insert] [run] [ncu] [torch] [run1m] [tpot] [tp] [all]
+#   cd .dev && sh device-run.sh [tests] [sanitize] [tune] [tune2] [bench] [bench-insert] [run] [ncu] [torch] [run1m] [tpot] [ab] [tp] [all]
 # Correctness work (tests, sanitizers) runs concurrently: it only needs
 # answers, and a device call is limited to 10 minutes.  Timed work (tune,
 # bench, run, tpot) runs alone, one after the other.  Every log is packed
@@ -144,6 +144,26 @@ if has tpot && [ -f ./tpot_curve.sh ]; then
     ( export M3KIT_PDL=0; curve --no-torch --out "$OUT/tpot-nopdl" ) > "$L/tpot-nopdl.log" 2>&1
     log "tpot curve M3KIT_PDL=0 rc=$? at $(elapsed) s: $(tail -n 1 "$L/tpot-nopdl.log")"
   fi
+fi
+if has ab; then
+  # A/B of whole decode steps in one call: AB is "name:VAR=1 VAR2=x;name2:..." (an
+  # empty list after the colon is the plain build), AB_CONTEXTS the contexts
+  # (default 8192), AB_ROUNDS how often each (default 2), interleaved so that
+  # drift hits every entry alike; AB_ARGS adds m3kit run options.  E.g. template
+  # variants: M3KIT_TEMPLATE_DIR=tpl-X (copies of templates/ packed into .dev/).
+  echo "${AB:-base:}" | tr ';' '\n' > /tmp/ab-list
+  for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+    for c in $(echo "${AB_CONTEXTS:-8192}" | tr ',' ' '); do
+      while IFS= read -r ent; do
+        [ -n "$ent" ] || continue
+        nm=${ent%%:*} envs=${ent#*:}
+        # shellcheck disable=SC2086
+        env $envs timeout "${T_RUN:-150}" ./m3kit run --preset minimax-m3 --resident-experts 8 --max-new-tokens 32 \
+          --context "$c" --synthetic-cache ${AB_ARGS:-} > "$L/ab-$nm-$c-$r.log" 2>&1
+        log "ab $nm ctx $c round $r rc=$? $(grep -E '^TPOT' "$L/ab-$nm-$c-$r.log") at $(elapsed) s"
+      done < /tmp/ab-list
+    done
+  done
 fi
 if has tp; then
   # Tensor parallelism (issue 7) over the GPUs of this host, NCCL with

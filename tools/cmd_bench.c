@@ -52,7 +52,12 @@ static m3_status bench_qknorm(m3_rt *rt, const m3_bench_ctx *bc, FILE *out, m3_e
     snprintf(vs[i].arch, sizeof vs[i].arch, "%s", rt->dev.arch);
     m3_bucket bs[16];
     int nb = op->buckets(&cfg, &vs[i], bs, 16);
+    char axes[M3_KEY_MAX];
+    m3_variant_print_axes(&vs[i], axes, sizeof axes);
     for (int b = 0; b < nb && !s; b++) {
+      char nm[M3_KEY_MAX + 32];   /* M3KIT_BENCH_CASE matches "AXES tokens=N" */
+      snprintf(nm, sizeof nm, "%s tokens=%lld", axes, (long long)m3_bucket_get(&bs[b], "tokens"));
+      if (!m3_bench_case_wanted(nm)) continue;
       void *st;
       m3_kernel *k;
       if ((s = op->setup(rt, &cfg, &vs[i], &bs[b], 1, &st, e))) break;
@@ -63,10 +68,9 @@ static m3_status bench_qknorm(m3_rt *rt, const m3_bench_ctx *bc, FILE *out, m3_e
       if (!s) s = m3_tune_graph_time(op, st, k, rt->stream, 57, 20, &g, e);
       if (!s) {
         double bytes = op->work(st), gbs = bytes / (g.median_us * 1e-6) / 1e9;
-        char key[M3_KEY_MAX], tile[128];
-        m3_variant_print_axes(&vs[i], key, sizeof key);
+        char tile[128];
         m3_variant_print_tile(&k->key, tile, sizeof tile);
-        fprintf(out, "| `%s` | %lld | %s | %.2f | %.2f | %.2f | %.2f | %.3g | %.0f | %.1f%% |\n", key,
+        fprintf(out, "| `%s` | %lld | %s | %.2f | %.2f | %.2f | %.2f | %.3g | %.0f | %.1f%% |\n", axes,
                 (long long)m3_bucket_get(&bs[b], "tokens"), tile, c.median_us, c.p20_us, c.p80_us, g.median_us, bytes, gbs,
                 100 * gbs / bc->copy_gbs);
         fflush(out);
