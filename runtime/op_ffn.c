@@ -335,11 +335,27 @@ static m3_status gemv_check(const m3_kernel *k, const m3_gemv_args *a, int moe, 
 
 /* Rows per CTA: warps x rpw rows, or tpc x rpw 16-row mma tiles for the W8A16
  * GEMV, whose warps split the columns (templates/mxfp8.lua). */
-static uint64_t gemv_grid(const m3_kernel *k, const m3_gemv_args *a) {
+/* grid.x of a GEMV over `pairs` row sets (MoE pairs, else 1); *gy gets
+ * grid.y.  W8A16 tile tpc=0 (balanced, templates/mxfp8.lua): a 1-D grid of
+ * one wave, the CTAs the SMs hold at once, at least one per pair (so a CTA
+ * spans at most two) and at most one per 16 x rpw-row tile. */
+static uint64_t gemv_grid(const m3_kernel *k, const m3_gemv_args *a, int64_t pairs, unsigned *gy) {
   const int64_t rows = a->rows;
   long per = m3_variant_tile_int(&k->key, "warps", 8) * m3_variant_tile_int(&k->key, "rpw", 2);
-  if (a->wfmt == M3_GEMV_E4M3)
-    per = 16 * m3_variant_tile_int(&k->key, "rpw", 1) * m3_variant_tile_int(&k->key, "tpc", 1);
+  *gy = (unsigned)pairs;
+  if (a->wfmt == M3_GEMV_E4M3) {
+    const long tile = 16 * m3_variant_tile_int(&k->key, "rpw", 1), tpc = m3_variant_tile_int(&k->key, "tpc", 1);
+    if (tpc == 0) {
+      const int64_t tiles = pairs * ((rows + tile - 1) / tile);
+      int sms = m3_current_sm_count(), res = m3_module_resident_ctas(&k->mod, k->key.arch);
+      int64_t g = (int64_t)(sms > 0 ? sms : 1) * (res > 0 ? res : 2);
+      if (g < pairs) g = pairs;
+      if (g > tiles) g = tiles;
+      *gy = 1;
+      return (uint64_t)g;
+    }
+    per = tile * tpc;
+  }
   return (uint64_t)((rows + per - 1) / per);
 }
 
@@ -358,8 +374,10 @@ m3_status m3_launch_gemv(const m3_kernel *k, const m3_gemv_args *a, const void *
     int n = (int)(a->n - t0 < nmax ? a->n - t0 : nmax);
     const void *xc = (const uint16_t *)x + t0 * a->cols;
     void *yc = (char *)y + (size_t)t0 * (size_t)a->rows * ysz;
-    void *args[] = {&xc, &w, &scale, &none, &none, &none, &zero, &one, &yc, &n, &rows};
-    M3_TRY(launch(k, gemv_grid(k, a), 1, stream, args, e));
+    void *args[] = {&xc, &w, &scale, &none, &none, &none, &zero, &one, &yc, &n, &rows, &one};
+    unsigned gy;
+    const uint64_t gx = gemv_grid(k, a, 1, &gy);
+    M3_TRY(launch(k, gx, gy, stream, args, e));
   }
   return M3_OK;
 }
@@ -385,9 +403,11 @@ m3_status m3_launch_gemv_moe_shared(const m3_kernel *k, const m3_gemv_args *a, c
                    "aligned)%s", n_shared, a->wfmt == M3_GEMV_E4M3 ? " and scales (4-byte aligned)" : "");
   if (misaligned(x)) return m3_errf(e, M3_INVAL, "gemv moe: x must be 16-byte aligned");
   if (!a->n && !n_shared) return M3_OK;
-  int n_tab = a->n_experts, xdiv = a->xdiv, routed = (int)a->n, rows = (int)a->rows;
-  void *args[] = {&x, &sw, &ss, &w_tab, &s_tab, &ids, &n_tab, &xdiv, &y, &routed, &rows};
-  return launch(k, gemv_grid(k, a), (unsigned)(a->n + n_shared), stream, args, e);
+  int n_tab = a->n_experts, xdiv = a->xdiv, routed = (int)a->n, rows = (int)a->rows, pairs = (int)(a->n + n_shared);
+  void *args[] = {&x, &sw, &ss, &w_tab, &s_tab, &ids, &n_tab, &xdiv, &y, &routed, &rows, &pairs};
+  unsigned gy;
+  const uint64_t gx = gemv_grid(k, a, pairs, &gy);
+  return launch(k, gx, gy, stream, args, e);
 }
 
 m3_status m3_launch_gemv_moe(const m3_kernel *k, const m3_gemv_args *a, const void *x, const void *const *w_tab,

@@ -72,29 +72,6 @@ static m3_status check_inputs(const m3_idx_args *a, const m3_seq_batch *b, const
   return M3_OK;
 }
 
-/* CTAs of kernel k resident on one SM: its registers, static shared memory
- * and block size against the SM limits of its arch (64K registers on every
- * sm_80+ part, allocated per warp in units of 256; threads, CTAs and shared
- * memory per SM as the CUDA occupancy tables give them).  0 when the driver
- * reports no register count (the CPU emulator). */
-static int resident_ctas(const m3_kernel *k) {
-  int regs = 0, smem = 0, sm = 0;
-  if (!k->mod.fn || m3_drv.cuFuncGetAttribute(&regs, CU_FUNC_ATTRIBUTE_NUM_REGS, k->mod.fn) != CUDA_SUCCESS ||
-      regs <= 0)
-    return 0;
-  if (m3_drv.cuFuncGetAttribute(&smem, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, k->mod.fn) != CUDA_SUCCESS) smem = 0;
-  sscanf(k->key.arch, "sm_%d", &sm);
-  const int small = sm == 86 || sm == 87 || sm == 89 || sm >= 120; /* 1536-thread SMs */
-  const int max_threads = small ? 1536 : 2048, max_ctas = small ? 16 : 32;
-  const int smem_sm = sm == 80 || sm == 87 ? 164 << 10 : (sm == 90 || (sm >= 100 && sm < 120)) ? 228 << 10 : 100 << 10;
-  const int threads = k->mod.threads > 0 ? k->mod.threads : 128, warps = (threads + 31) / 32;
-  const int warp_regs = (regs * 32 + 255) / 256 * 256;
-  int n = 65536 / (warps * warp_regs);
-  if (n > max_threads / threads) n = max_threads / threads;
-  if (n > smem_sm / (smem + 1024)) n = smem_sm / (smem + 1024);
-  return n < max_ctas ? n : max_ctas;
-}
-
 m3_status m3_index_decode_plan(const m3_kernel *k, const m3_idx_args *a, int sm_count, m3_idx_decode_plan *p,
                                m3_err *e) {
   memset(p, 0, sizeof *p);
@@ -103,7 +80,7 @@ m3_status m3_index_decode_plan(const m3_kernel *k, const m3_idx_args *a, int sm_
   const long waves = m3_variant_tile_int(&k->key, "waves", 1);
   long chunk = m3_variant_tile_int(&k->key, "chunk", 16);
   if (chunk < 1 || chunk > M3_IDX_MAX_SPLIT_BLOCKS) chunk = M3_IDX_MAX_SPLIT_BLOCKS;
-  int resident = resident_ctas(k);
+  int resident = m3_module_resident_ctas(&k->mod, k->key.arch);   /* the indexer has no dynamic smem */
   if (resident < 1) resident = 4;
   /* `waves` resident waves of CTAs for the work there is (one wave: every
    * CTA of one long sequence streams at once, none waits for a tail), but

@@ -59,7 +59,8 @@ T.tiles = {
   {"cvt", {"alu", "hw"}},           -- e4m3 -> fp16 (W8A16 GEMV): bit moves, or cvt.rn.f16x2.e4m3x2
   {"pipe", {1, 2, 3, 4}},           -- W8A16 GEMV: 1 = load then compute; 2 = the next step's loads in registers
                                     -- during this step's mma; 3, 4 = a per-warp cp.async ring of that many stages
-  {"tpc", {1, 2, 3, 4, 6, 8}},      -- W8A16 GEMV with the ring: 16 x rpw-row tiles per CTA (x staged once for all);
+  {"tpc", {0, 1, 2, 3, 4, 6, 8}},   -- W8A16 GEMV with the ring: 16 x rpw-row tiles per CTA (x staged once for all);
+                                    -- 0 = balanced: as many CTAs as the SMs hold at once, each 1/G of all tiles;
                                     -- 3 and 6 even out the CTAs per SM (ncu, device run 24: the MoE down's 192
                                     -- CTAs of tpc=8 put 2 on 60 SMs and 1 on 72; gate|up's 96 left 36 SMs idle)
 }
@@ -84,7 +85,8 @@ end
 local function gemv_smem(k, t)
   if k.w == "e4m3" then
     local ring = (t and t.pipe >= 3) and t.warps * t.pipe * ring_stage(t) or 0
-    return k.nmax * (k.cols * 2 + 16) + ring
+    local nxs = (t and k.moe == 1 and t.pipe >= 3 and t.tpc == 0) and 2 or k.nmax   -- NXS
+    return nxs * (k.cols * 2 + 16) + ring
   end
   return k.nmax * k.cols * 4
 end
@@ -130,7 +132,7 @@ function T.valid(k, t, arch)
   -- partial sums: s_red, or s_red2 by tile parity): the driver bounds the sum
   local static = 0
   if k.w == "e4m3" then
-    static = 8 * k.nmax + 512 * t.warps * t.rpw * ((t.pipe >= 3 and t.tpc > 1) and 2 or 1)
+    static = 8 * math.max(k.nmax, 2) + 512 * t.warps * t.rpw * ((t.pipe >= 3 and t.tpc ~= 1) and 2 or 1)
   end
   if gemv_smem(k, t) + static > smem_limit(arch) then
     return false, string.format("staging x%s needs %d B of shared memory (+ %d static) > %d on %s",
@@ -292,8 +294,9 @@ M3_DEV float dot_chunk(uint4 q, const float *xv, float acc) {
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned char *__restrict__ ws,
      const void *const *__restrict__ w_tab, const unsigned char *const *__restrict__ ws_tab,
-     const int *__restrict__ ids, int n_tab, int xdiv, void *__restrict__ y, int n, int rows) {
+     const int *__restrict__ ids, int n_tab, int xdiv, void *__restrict__ y, int n, int rows, int npairs) {
   M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
+  (void)npairs;            /* the W8A16 GEMV's balanced split only */
   DYN_SMEM(float4, xs4);   /* [NMAX][X4] */
   const int p = MOE ? (int)blockIdx.y : 0;
   const int ntok = MOE ? 1 : n;
@@ -436,6 +439,8 @@ local gemv_mma_body = [==[
 #define XS4 (COLS / 8 + 1)       /* uint4 per staged token row (16 bytes of padding) */
 #define STAGE $stage             /* pipe >= 3: bytes of one ring stage (weights, then E8M0) */
 #define WSTR (UNR * 32 + 32)     /* a row's bytes in a ring stage, padded */
+#define MULTI (PIPE >= 3 && TPC != 1)   /* the ring over several tiles a CTA (TPC > 1, or 0: balanced) */
+#define NXS (MOE && PIPE >= 3 && TPC == 0 ? 2 : NMAX)   /* staged x rows (balanced MoE: a CTA spans <= 2 pairs) */
 /* Two selects, no branch: the nested float ternary compiled to a branch per
  * scale (two a block in the mma loop; SASS of device run 21's winners). */
 M3_DEV float e8m0_to_f32(u32 s) {
@@ -445,6 +450,25 @@ M3_DEV float e8m0_to_f32(u32 s) {
   return __uint_as_float(b);
 }
 M3_DEV float pow2f(int e) { return __uint_as_float((u32)(e + 127) << 23); } /* e in [-126, 127] */
+/* MoE: the x row of pair p (see the kernel comment). */
+M3_DEV int xrow_of(int p, int n, int xdiv) { return p < n ? p / xdiv : (xdiv == 1 ? p : p - n); }
+/* MoE: pair p's weight and scales, 0 for a routed pair whose expert id is
+ * outside [0, n_tab) (its tiles then stream zeros into nothing: y rows stay);
+ * the pointers are then any readable address, never the table's. */
+M3_DEV int pair_weights(int p, int n, const int *ids, int n_tab, const void *const *w_tab,
+                        const unsigned char *const *ws_tab, const void *w, const unsigned char *ws, const void *dummy,
+                        const unsigned char *&wb, const unsigned char *&sb) {
+  if (MOE && p < n) {
+    const int ex = ids[p];
+    if (ex < 0 || ex >= n_tab) { wb = sb = (const unsigned char *)dummy; return 0; }
+    wb = (const unsigned char *)w_tab[ex];
+    sb = ws_tab[ex];
+    return 1;
+  }
+  wb = (const unsigned char *)w;
+  sb = ws;
+  return 1;
+}
 
 #ifndef __CUDA_ARCH__
 /* fp32 -> fp16 bits, round to nearest even (what cvt.rn does). */
@@ -621,62 +645,88 @@ M3_DEV void load_step(wstep &st, const unsigned char *wb, const unsigned char *s
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned char *__restrict__ ws,
      const void *const *__restrict__ w_tab, const unsigned char *const *__restrict__ ws_tab,
-     const int *__restrict__ ids, int n_tab, int xdiv, void *__restrict__ y, int n, int rows) {
+     const int *__restrict__ ids, int n_tab, int xdiv, void *__restrict__ y, int n, int rows, int npairs) {
   M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
-  DYN_SMEM(uint4, xs4);          /* [NMAX][XS4] fp16 x 2^sh, dims paired (0,2),(1,3),(4,6),(5,7) */
-  __shared__ int s_emax[NMAX];
-  __shared__ float s_out[NMAX];
+  DYN_SMEM(uint4, xs4);          /* [NXS][XS4] fp16 x 2^sh, dims paired (0,2),(1,3),(4,6),(5,7) */
+  __shared__ int s_emax[NXS];
+  __shared__ float s_out[NXS];
 #if PIPE < 3 || TPC == 1
   __shared__ float s_red[WARPS > 1 ? WARPS : 1][RPW][4][32]; /* the warps' partial sums */
 #endif
-  const int p = MOE ? (int)blockIdx.y : 0;
   const int ntok = MOE ? 1 : n;
-  const unsigned char *wb, *sb;
-  if (MOE && p < n) {
-    const int ex = ids[p];
-    if (ex < 0 || ex >= n_tab) return;   /* the whole CTA: never index the table with a bad id; y row p stays */
-    wb = (const unsigned char *)w_tab[ex];
-    sb = ws_tab[ex];
-  } else {
-    wb = (const unsigned char *)w;
-    sb = ws;
-  }
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+#if MULTI
+  /* Tiles (16 x RPW rows) numbered over all pairs: tile u is pair u / tpp's
+   * tile u % tpp (non-MoE: one "pair").  TPC > 1: TPC consecutive tiles of
+   * pair blockIdx.y.  TPC = 0, balanced: the launcher sizes a 1-D grid to the
+   * CTAs the SMs hold at once (and >= the pairs) and CTA i takes tiles
+   * [i T / G, (i + 1) T / G) of all T, so every CTA streams within a tile of
+   * the same bytes (device run 24's ncu: fixed TPC left SMs with 1 CTA beside
+   * SMs with 2), crossing at most one pair boundary.  x staged once for
+   * them; the warps' steps over all the tiles form one sequence, so the ring
+   * runs on across tile ends. */
+  const int tpp = (rows + 16 * RPW - 1) / (16 * RPW);
+#if TPC == 0
+  const long long T = (long long)(MOE ? npairs : 1) * tpp;
+  const long long u0 = (long long)blockIdx.x * T / gridDim.x, u1 = ((long long)blockIdx.x + 1) * T / gridDim.x;
+#else
+  const long long pb = (long long)(MOE ? blockIdx.y : 0) * tpp, u0 = pb + (long long)blockIdx.x * TPC;
+  const long long u1 = u0 + TPC < pb + tpp ? u0 + TPC : pb + tpp;
+#endif
+  if (u0 >= u1) return;   /* the whole CTA */
+  const int pf = (int)(u0 / tpp), pl = (int)((u1 - 1) / tpp);   /* pl - pf <= 1 (NXS) */
+  /* Pair slots 0 (pf) and 1 (pl), by selects: an array indexed at run time went to local memory. */
+  const unsigned char *wb0, *sb0, *wb1, *sb1;
+  const int ok0 = pair_weights(pf, n, ids, n_tab, w_tab, ws_tab, w, ws, x, wb0, sb0);
+  const int ok1 = pair_weights(pl, n, ids, n_tab, w_tab, ws_tab, w, ws, x, wb1, sb1);
+  unsigned char *ring = (unsigned char *)(xs4 + NXS * XS4) + warp * (PIPE * STAGE);
+  const int nst = (NBLK - warp * UNR + WARPS * UNR - 1) / (WARPS * UNR);   /* >= 1: valid() */
+  const int total = (int)(u1 - u0) * nst;
+  /* The issue pointer (pair slot ij, tile ilt of it, step ns), PIPE - 1 steps
+   * ahead of the compute pointer; stepped, never divided at a step. */
+  int ij = 0, ilt = (int)(u0 - (long long)pf * tpp), ns = 0;
+#pragma unroll
+  for (int q = 0; q < PIPE - 1; q++) {
+    if (q < total) {
+      ring_issue(ring + q * STAGE, ij ? wb1 : wb0, ij ? sb1 : sb0, ilt * 16 * RPW, (ij ? ok1 : ok0) ? rows : 0,
+                 warp * UNR + ns * WARPS * UNR, lane);
+      if (++ns == nst) { ns = 0; if (++ilt == tpp) { ilt = 0; ij++; } }
+    }
+    cpa_commit();
+  }
+  const int nx = MOE ? pl - pf + 1 : n, xp0 = pf;
+#else
+  const int p = MOE ? (int)blockIdx.y : 0;
+  const unsigned char *wb, *sb;
+  if (!pair_weights(p, n, ids, n_tab, w_tab, ws_tab, w, ws, x, wb, sb)) return;   /* the whole CTA: y row p stays */
   const int row0 = (int)blockIdx.x * RPW * 16;
 
   /* The first weights are in flight while x is staged. */
 #if PIPE >= 3
-  /* TPC consecutive 16 x RPW-row tiles, x staged once: the warps' steps over
-   * all of them form one sequence, so the ring runs on across tile ends. */
+  /* One tile of 16 x RPW rows a CTA. */
   if (row0 >= rows) return;   /* the whole CTA */
-  const int tile0 = (int)blockIdx.x * TPC, ntiles = (rows + 16 * RPW - 1) / (16 * RPW);
-  const int ntl = ntiles - tile0 < TPC ? ntiles - tile0 : TPC;
-  unsigned char *ring = (unsigned char *)(xs4 + NMAX * XS4) + warp * (PIPE * STAGE);
-  const int nst = (NBLK - warp * UNR + WARPS * UNR - 1) / (WARPS * UNR);   /* >= 1: valid() */
-  const int total = ntl * nst;
-  /* The issue pointer (tile ni, step ns), PIPE - 1 steps ahead of the
-   * compute pointer; stepped, not divided by nst at every step. */
-  int ni = 0, ns = 0;
+  unsigned char *ring = (unsigned char *)(xs4 + NXS * XS4) + warp * (PIPE * STAGE);
+  const int total = (NBLK - warp * UNR + WARPS * UNR - 1) / (WARPS * UNR);   /* >= 1: valid() */
 #pragma unroll
   for (int q = 0; q < PIPE - 1; q++) {
-    if (q < total) {
-      ring_issue(ring + q * STAGE, wb, sb, (tile0 + ni) * 16 * RPW, rows, warp * UNR + ns * WARPS * UNR, lane);
-      if (++ns == nst) { ns = 0; ni++; }
-    }
+    if (q < total) ring_issue(ring + q * STAGE, wb, sb, row0, rows, warp * UNR + q * WARPS * UNR, lane);
     cpa_commit();
   }
 #else
   wstep cur;
   load_step(cur, wb, sb, row0, rows, warp * UNR, g, tq);
 #endif
+  const int nx = ntok, xp0 = p;
+#endif
 
-  const bf16_t *xb = MOE ? x + (long long)(p < n ? p / xdiv : (xdiv == 1 ? p : p - n)) * COLS : x;
-  if (tid < NMAX) s_emax[tid] = 0;
+  /* Staged rows: the tokens (non-MoE), or the x rows of pairs xp0 .. xp0 + nx - 1. */
+  if (tid < NXS) s_emax[tid] = 0;
   __syncthreads();
-  for (int t = 0; t < ntok; t++) {
+  for (int t = 0; t < nx; t++) {
+    const bf16_t *xb = MOE ? x + (long long)xrow_of(xp0 + t, n, xdiv) * COLS : x + (long long)t * COLS;
     u32 m = 0u;
     for (int i = tid; i < COLS / 8; i += WARPS * 32) {
-      const uint4 v = ld16(xb + (long long)t * COLS + 8 * i);
+      const uint4 v = ld16(xb + 8 * i);
       xs4[t * XS4 + i] = v;
       const u32 a[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -690,7 +740,7 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
     if (lane == 0) atomicMax(&s_emax[t], (int)(m >> 7));
   }
   __syncthreads();
-  for (int t = 0; t < ntok; t++) {
+  for (int t = 0; t < nx; t++) {
     int sh = 141 - s_emax[t]; /* max|x| 2^sh in [2^14, 2^15) */
     sh = sh < -100 ? -100 : (sh > 100 ? 100 : sh);
     const float xm = pow2f(sh);
@@ -739,33 +789,35 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
   }
 #else
   __shared__ float s_red2[2][WARPS][RPW][4][32];   /* by tile parity: one barrier a tile */
-  int ti = 0, sq = 0, slot = 0;   /* the compute pointer: tile, step, ring stage */
+  /* The compute pointer: tile ti (from u0; pair slot cj, its tile clt), step sq, ring stage. */
+  int ti = 0, cj = 0, clt = (int)(u0 - (long long)pf * tpp), sq = 0, slot = 0;
 #pragma unroll 1
   for (int q = 0; q < total; q++) {
     __syncwarp();   /* every lane is done with the stage refilled below (step q - 1's) */
     if (q + PIPE - 1 < total) {
       const int sn = slot == 0 ? PIPE - 1 : slot - 1;   /* (q + PIPE - 1) % PIPE */
-      ring_issue(ring + sn * STAGE, wb, sb, (tile0 + ni) * 16 * RPW, rows, warp * UNR + ns * WARPS * UNR, lane);
-      if (++ns == nst) { ns = 0; ni++; }
+      ring_issue(ring + sn * STAGE, ij ? wb1 : wb0, ij ? sb1 : sb0, ilt * 16 * RPW, (ij ? ok1 : ok0) ? rows : 0,
+                 warp * UNR + ns * WARPS * UNR, lane);
+      if (++ns == nst) { ns = 0; if (++ilt == tpp) { ilt = 0; ij++; } }
     }
     cpa_commit();
     cpa_wait_ring();
     __syncwarp();   /* the other lanes' copies of stage q are visible */
     const unsigned char *st = ring + slot * STAGE;
     const int b0 = warp * UNR + sq * WARPS * UNR;
-    ring_compute(acc, st, xs4, b0, g, tq, ntok);
+    ring_compute(acc, st, xs4 + (MOE ? cj : 0) * XS4, b0, g, tq, ntok);
     if (sq == nst - 1) {
       /* Tile ti done: the warps' column slices summed (warp order:
        * deterministic) by warp 0, while the ring's copies for the next tile
        * are in flight.  The parity buffer is rewritten two tiles later,
        * after a barrier warp 0 reaches only when this sum is done. */
-      const int tr0 = (tile0 + ti) * 16 * RPW;
+      const int tr0 = clt * 16 * RPW, pp = pf + cj;   /* pp: the pair (MoE) */
 #pragma unroll
       for (int r = 0; r < RPW; r++)
 #pragma unroll
         for (int i = 0; i < 4; i++) s_red2[ti & 1][warp][r][i][lane] = acc[r][i];
       __syncthreads();
-      if (warp == 0) {
+      if (warp == 0 && (cj ? ok1 : ok0)) {
 #pragma unroll
         for (int r = 0; r < RPW; r++)
 #pragma unroll
@@ -774,15 +826,15 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
             for (int w2 = 1; w2 < WARPS; w2++) v = fadd_rn(v, s_red2[ti & 1][w2][r][i][lane]);
             const int row = tr0 + 16 * r + g + 8 * (i >> 1), t = 2 * tq + (i & 1);
             if (row < rows && t < ntok) {
-              const long long at = (long long)(MOE ? p : t) * rows + row;
-              ((bf16_t *)y)[at] = f32_to_bf16(fmul_rn(v, s_out[t]));
+              const long long at = (long long)(MOE ? pp : t) * rows + row;
+              ((bf16_t *)y)[at] = f32_to_bf16(fmul_rn(v, s_out[MOE ? cj : t]));
             }
           }
       }
 #pragma unroll
       for (int r = 0; r < RPW; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.0f;
     }
-    if (++sq == nst) { sq = 0; ti++; }
+    if (++sq == nst) { sq = 0; ti++; if (++clt == tpp) { clt = 0; cj++; } }
     if (++slot == PIPE) slot = 0;
   }
 #endif

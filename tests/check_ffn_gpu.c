@@ -872,7 +872,8 @@ START_TEST(gemv_odd_rows_and_router) {
 }
 END_TEST
 
-static int tpc_1_or_8(const char *t) { return strstr(t, "tpc=1") || strstr(t, "tpc=8"); }
+/* tpc 1 (a loop of its own), 8 and 0 (the multi-tile loop: fixed, balanced) */
+static int tpc_0_1_or_8(const char *t) { return strstr(t, "tpc=0") || strstr(t, "tpc=1") || strstr(t, "tpc=8"); }
 
 START_TEST(gemv_every_tile) {
   const int wfmt = _i;
@@ -883,8 +884,8 @@ START_TEST(gemv_every_tile) {
   char (*tiles)[256];
   int n = valid_tiles(&v, &tiles);
   ck_assert_int_gt(n, 1);
-  /* tpc 1 (a loop of its own) and 8 (the multi-tile loop); gemv_ring_real_cols runs 2 */
-  n = select_tiles(tiles, n, tpc_1_or_8);
+  /* gemv_ring_real_cols runs tpc 2 and 3 */
+  n = select_tiles(tiles, n, tpc_0_1_or_8);
   prewarm_tiles(&v, tiles, n);
   for (int i = 0; i < n; i++) run_gemv(wfmt, 3, 1025, 1024, tiles[i]);
   free(tiles);
@@ -977,7 +978,7 @@ START_TEST(gemv_moe_every_tile) {
   char (*tiles)[256];
   int n = valid_tiles(&v, &tiles);
   ck_assert_int_gt(n, 1);
-  n = select_tiles(tiles, n, tpc_1_or_8);
+  n = select_tiles(tiles, n, tpc_0_1_or_8);
   prewarm_tiles(&v, tiles, n);
   for (int i = 0; i < n; i++) run_gemv_moe(1, 5, 2, 4, 515, 1024, 4, tiles[i], i % 2);
   free(tiles);
@@ -992,15 +993,18 @@ END_TEST
  * (+ shared expert) launches. */
 /* The ring tiles the test runs: cvt=alu/hw is only the decode, which
  * gemv_every_tile covers, and tpc 1 (its own loop), 2, 3 (odd: the parity
- * buffers' turn; 515 rows leave the last CTA 3 of 3 tiles, 300 rows 1 of 3)
- * and 8 cover the loops; the emulator runs a deep ring over 8 tiles a CTA, a
- * shallow one over 2, one over 3 and the one-tile loop. */
+ * buffers' turn; 515 rows leave the last CTA 3 of 3 tiles, 300 rows 1 of 3),
+ * 8 and 0 (balanced: a CTA's tiles cross a pair boundary, the bad-id pair's
+ * among them) cover the loops; the emulator runs a deep ring over 8 tiles a
+ * CTA, a shallow one over 2, one over 3, two balanced ones and the one-tile
+ * loop. */
 static int ring_tile(const char *t) {
   if (!strstr(t, "pipe=3") && !strstr(t, "pipe=4")) return 0;
   if (strstr(t, "cvt=alu") || strstr(t, "tpc=4") || strstr(t, "tpc=6")) return 0;
   return !g_emu || strstr(t, "warps=2,rpw=1,unroll=4,cvt=hw,pipe=4,tpc=8") ||
          strstr(t, "warps=8,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=2") || strstr(t, "warps=2,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=1") ||
-         strstr(t, "warps=4,rpw=1,unroll=4,cvt=hw,pipe=4,tpc=3");
+         strstr(t, "warps=4,rpw=1,unroll=4,cvt=hw,pipe=4,tpc=3") || strstr(t, "warps=4,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=0") ||
+         strstr(t, "warps=2,rpw=2,unroll=4,cvt=hw,pipe=4,tpc=0");
 }
 
 START_TEST(gemv_ring_real_cols) {

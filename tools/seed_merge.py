@@ -1,0 +1,34 @@
+#!/usr/bin/env python3
+"""seedfmt.py SEED [NEW_DB ...] [--replace PREFIX,...] - merge tuning DB records into the seed
+(a record of NEW_DB replaces the seed's record of the same (key, bucket, arch); --replace drops every
+seed record whose key starts with PREFIX first) and write it back in the seed's layout."""
+import json, sys
+args = sys.argv[1:]
+rep = []
+if '--replace' in args:
+    i = args.index('--replace'); rep = args[i + 1].split(','); del args[i:i + 2]
+seed, news = args[0], args[1:]
+d = json.load(open(seed))
+recs = [r for r in d['records'] if not any(r['key'].startswith(p) for p in rep)]
+idx = {(r['key'], r['bucket'], r['arch']): i for i, r in enumerate(recs)}
+for f in news:
+    for r in json.load(open(f))['records']:
+        if not any(r['key'].startswith(p) for p in rep): continue
+        r['candidates'] = [c for c in r.get('candidates', []) if c.get('disposition') != 'NOT_SUPPORTED']
+        k = (r['key'], r['bucket'], r['arch'])
+        if k in idx: recs[idx[k]] = r
+        else: idx[k] = len(recs); recs.append(r)
+def one(v): return json.dumps(v, separators=(', ', ': '))
+out = ['{', '  "format": %s,' % one(d['format']), '  "version": %s,' % one(d['version']), '  "records": [']
+for j, r in enumerate(recs):
+    lines = []
+    for k, v in r.items():
+        if k == 'provenance':
+            lines.append('      "provenance": {\n' + ',\n'.join('        %s: %s' % (one(a), one(b)) for a, b in v.items()) + '\n      }')
+        elif k == 'candidates':
+            lines.append('      "candidates": [\n' + ',\n'.join('        ' + one(c) for c in v) + '\n      ]')
+        else:
+            lines.append('      %s: %s' % (one(k), one(v)))
+    out.append('    {\n' + ',\n'.join(lines) + '\n    }' + (',' if j < len(recs) - 1 else ''))
+out += ['  ]', '}']
+open(seed, 'w').write('\n'.join(out) + '\n')
