@@ -185,7 +185,6 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
   for (int h = 0; h < HPW; h++) {
     const i64 item = warp * HPW + h;
     sl[h] = -1;
-    for (int i = 0; i < 4; i++) xin[h].v[i] = ax[h].w.v[i] = ax[h].c.v[i] = ax[h].s.v[i] = 0.0f;
     if (item >= (i64)n_tokens * SLOTS) continue;
     const i64 t = item / SLOTS;
     const int s = (int)(item - t * SLOTS);
@@ -212,27 +211,20 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
   }
 #pragma unroll
   for (int h = 0; h < HPW; h++) {
-    /* Every slot is normed and rotated here, before the branches on its kind
-     * (a V head's result goes unused, a padding slot's is of zeros): a shuffle
-     * inside a branch the compiler cannot prove warp-uniform costs a
-     * WARPSYNC / ENDCOLLECTIVE sequence, and a copy of norm_rope per head
-     * kind had put 56 of them in the kernel (ncu, device run 29: issue-bound
-     * at 8192 tokens, 46% of copy). */
-    const f4 xr = norm_rope(xin[h], ax[h], eps, lane);
     int s = sl[h];
     if (s < 0) continue;
     const i64 t = tok[h], slot = slt[h];
     bf16_t *row = qkv + t * (i64)ROW;
     const i64 page = slot / BS, off = slot % BS;
     if (s < NQ) {                                   /* Q head */
-      const f4 x = xr;
+      f4 x = norm_rope(xin[h], ax[h], eps, lane);
       store4_bf16(q_out ? q_out + t * (i64)(NQ * HD) + s * HD + lane * 4 : row + s * HD + lane * 4, x);
       continue;
     }
     s -= NQ;
     if (s < NKV) {                                  /* K head */
       bf16_t *src = row + (NQ + s) * HD + lane * 4;
-      const f4 x = xr;
+      f4 x = norm_rope(xin[h], ax[h], eps, lane);
       store4_bf16(src, x);
       if (INSERT) {
         i64 at = ((page * NKV + s) * BS + off) * (2 * HD) + lane * 4;
@@ -253,7 +245,7 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
 #if SPARSE
     if (s < NIQ) {                                  /* index-Q head */
       bf16_t *src = row + (NQ + 2 * NKV + s) * HD + lane * 4;
-      const f4 x = xr;
+      f4 x = norm_rope(xin[h], ax[h], eps, lane);
       if (index_q_out) {
         i64 at = t * (i64)(NIQ * HD) + s * HD + lane * 4;
         if (IDX_E4M3) store4_e4m3((e4m3_t *)index_q_out + at, x);
@@ -265,7 +257,7 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
     }
     {                                               /* the single index-K head */
       bf16_t *src = row + (NQ + 2 * NKV + NIQ) * HD + lane * 4;
-      const f4 x = xr;
+      f4 x = norm_rope(xin[h], ax[h], eps, lane);
       store4_bf16(src, x);
       if (INSERT) {
         i64 islot = index_slot_mapping ? index_slot_mapping[t] : slot;
