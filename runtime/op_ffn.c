@@ -333,10 +333,9 @@ static m3_status gemv_check(const m3_kernel *k, const m3_gemv_args *a, int moe, 
   return M3_OK;
 }
 
-/* Rows per CTA: warps x rpw rows, or tpc x rpw 16-row mma tiles for the W8A16
- * GEMV, whose warps split the columns (templates/mxfp8.lua). */
 /* grid.x of a GEMV over `pairs` row sets (MoE pairs, else 1); *gy gets
- * grid.y.  W8A16 tile tpc=0 (balanced, templates/mxfp8.lua): a 1-D grid of
+ * grid.y.  Rows per CTA: warps x rpw rows, or tpc x rpw 16-row mma tiles for
+ * the W8A16 GEMV, whose warps split the columns.  W8A16 tile tpc=0 (balanced, templates/mxfp8.lua): a 1-D grid of
  * one wave, the CTAs the SMs hold at once, at least one per pair (so a CTA
  * spans at most two) and at most one per 16 x rpw-row tile. */
 static uint64_t gemv_grid(const m3_kernel *k, const m3_gemv_args *a, int64_t pairs, unsigned *gy) {
