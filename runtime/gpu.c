@@ -171,12 +171,3 @@ int m3_module_resident_ctas(const m3_module *m, const char *arch) {
   if (n > smem_sm / (smem + 1024)) n = smem_sm / (smem + 1024);
   return n < max_ctas ? n : max_ctas;
 }
-
-int m3_current_sm_count(void) {
-  int ord = 0, n = 0;
-  CUdevice dev;
-  if (cudaGetDevice(&ord) != cudaSuccess || m3_drv.cuDeviceGet(&dev, ord) != CUDA_SUCCESS ||
-      m3_drv.cuDeviceGetAttribute(&n, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev) != CUDA_SUCCESS)
-    return 0;
-  return n;
-}

@@ -68,7 +68,4 @@ m3_status m3_launch(const m3_module *m, unsigned gx, unsigned gy, unsigned gz, C
  * correctness. */
 int m3_module_resident_ctas(const m3_module *m, const char *arch);
 
-/* SMs of the current device (the CUDA runtime's), or 0 when it cannot say. */
-int m3_current_sm_count(void);
-
 #endif

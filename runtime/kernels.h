@@ -24,6 +24,8 @@ typedef struct m3_kernel {
   m3_variant key;         /* full key actually built (tile + arch) */
   m3_module mod;
   int from_tuning;        /* tile came from the tuning DB */
+  int sm_count;           /* SMs of the device it was loaded on */
+  int resident;           /* its CTAs one SM holds (m3_module_resident_ctas; 0: unknown, the emulator) */
 } m3_kernel;
 
 /* Where a process's start-up time goes (warm start: issue 6 item 9), seconds

@@ -335,9 +335,11 @@ static m3_status gemv_check(const m3_kernel *k, const m3_gemv_args *a, int moe, 
 
 /* grid.x of a GEMV over `pairs` row sets (MoE pairs, else 1); *gy gets
  * grid.y.  Rows per CTA: warps x rpw rows, or tpc x rpw 16-row mma tiles for
- * the W8A16 GEMV, whose warps split the columns.  W8A16 tile tpc=0 (balanced, templates/mxfp8.lua): a 1-D grid of
- * one wave, the CTAs the SMs hold at once, at least one per pair (so a CTA
- * spans at most two) and at most one per 16 x rpw-row tile. */
+ * the W8A16 GEMV, whose warps split the columns.  W8A16 tile tpc=0
+ * (balanced, templates/mxfp8.lua): a 1-D grid of one wave, the CTAs the SMs
+ * hold at once (k->sm_count x k->resident, found when it was loaded), at
+ * least one per pair (so a CTA spans at most two) and at most one per
+ * 16 x rpw-row tile. */
 static uint64_t gemv_grid(const m3_kernel *k, const m3_gemv_args *a, int64_t pairs, unsigned *gy) {
   const int64_t rows = a->rows;
   long per = m3_variant_tile_int(&k->key, "warps", 8) * m3_variant_tile_int(&k->key, "rpw", 2);
@@ -346,8 +348,7 @@ static uint64_t gemv_grid(const m3_kernel *k, const m3_gemv_args *a, int64_t pai
     const long tile = 16 * m3_variant_tile_int(&k->key, "rpw", 1), tpc = m3_variant_tile_int(&k->key, "tpc", 1);
     if (tpc == 0) {
       const int64_t tiles = pairs * ((rows + tile - 1) / tile);
-      int sms = m3_current_sm_count(), res = m3_module_resident_ctas(&k->mod, k->key.arch);
-      int64_t g = (int64_t)(sms > 0 ? sms : 1) * (res > 0 ? res : 2);
+      int64_t g = (int64_t)(k->sm_count > 0 ? k->sm_count : 1) * (k->resident > 0 ? k->resident : 2);
       if (g < pairs) g = pairs;
       if (g > tiles) g = tiles;
       *gy = 1;

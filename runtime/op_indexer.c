@@ -80,7 +80,7 @@ m3_status m3_index_decode_plan(const m3_kernel *k, const m3_idx_args *a, int sm_
   const long waves = m3_variant_tile_int(&k->key, "waves", 1);
   long chunk = m3_variant_tile_int(&k->key, "chunk", 16);
   if (chunk < 1 || chunk > M3_IDX_MAX_SPLIT_BLOCKS) chunk = M3_IDX_MAX_SPLIT_BLOCKS;
-  int resident = m3_module_resident_ctas(&k->mod, k->key.arch);   /* the indexer has no dynamic smem */
+  int resident = k->resident;
   if (resident < 1) resident = 4;
   /* `waves` resident waves of CTAs for the work there is (one wave: every
    * CTA of one long sequence streams at once, none waits for a tail), but

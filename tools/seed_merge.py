@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""seedfmt.py SEED [NEW_DB ...] [--replace PREFIX,...] - merge tuning DB records into the seed
-(a record of NEW_DB replaces the seed's record of the same (key, bucket, arch); --replace drops every
-seed record whose key starts with PREFIX first) and write it back in the seed's layout."""
+"""seed_merge.py SEED [NEW_DB ...] [--replace PREFIX,...] - merge tuning DB records into the seed
+(a record of NEW_DB replaces the seed's record of the same (key, bucket, arch), or is appended; with
+--replace only the keys starting with a PREFIX are taken, and the seed's own records of those keys are
+dropped first) and write the seed back in its layout (candidates one a line, NOT_SUPPORTED ones left
+out).  With no NEW_DB it only re-formats SEED."""
 import json, sys
 args = sys.argv[1:]
 rep = []
@@ -13,7 +15,7 @@ recs = [r for r in d['records'] if not any(r['key'].startswith(p) for p in rep)]
 idx = {(r['key'], r['bucket'], r['arch']): i for i, r in enumerate(recs)}
 for f in news:
     for r in json.load(open(f))['records']:
-        if not any(r['key'].startswith(p) for p in rep): continue
+        if rep and not any(r['key'].startswith(p) for p in rep): continue
         r['candidates'] = [c for c in r.get('candidates', []) if c.get('disposition') != 'NOT_SUPPORTED']
         k = (r['key'], r['bucket'], r['arch'])
         if k in idx: recs[idx[k]] = r
