@@ -192,8 +192,38 @@ void m3_lua_close(m3_lua *H) {
   free(H);
 }
 
-/* Template hash: the template's text plus every lib/ file, since a change to a
- * shared block changes what the template emits. */
+/* Template hash: the template's text plus the text of every lib/ file it
+ * includes, transitively, so that a change to a shared block stales the
+ * tuning records of exactly the templates that emit it (a record tuned for
+ * attention stays valid when lib/indexer.lua changes).  Includes are found by
+ * scanning for m3.include("lib/...") literals, the form every template and
+ * lib uses (a computed name would escape the hash: don't). */
+#define M3_MAX_DEPS 16
+static void scan_includes(const char *text, size_t len, char deps[][64], int *n) {
+  static const char pat[] = "m3.include(\"";
+  for (const char *p = text; (p = memmem(p, len - (size_t)(p - text), pat, sizeof pat - 1)); ) {
+    p += sizeof pat - 1;
+    const char *q = memchr(p, '"', len - (size_t)(p - text));
+    if (!q || q - p >= 60) continue;
+    char name[64];
+    snprintf(name, sizeof name, "%.*s.lua", (int)(q - p), p);
+    int seen = 0;
+    for (int i = 0; i < *n; i++) seen |= !strcmp(deps[i], name);
+    if (seen || *n >= M3_MAX_DEPS) continue;
+    snprintf(deps[(*n)++], 64, "%s", name);
+    const char *t;
+    size_t l;
+    char *owned;
+    m3_err e;
+    if (m3_lua_source(name, &t, &l, &owned, &e) == M3_OK) {
+      scan_includes(t, l, deps, n);
+      free(owned);
+    }
+  }
+}
+
+static int cmp_name(const void *a, const void *b) { return strcmp(a, b); }
+
 static uint64_t template_hash(const char *file) {
   XXH64_state_t *st = XXH64_createState();
   XXH64_reset(st, 0x6d336b6974ULL);
@@ -201,13 +231,17 @@ static uint64_t template_hash(const char *file) {
   size_t len;
   char *owned;
   m3_err e;
+  char deps[M3_MAX_DEPS][64];
+  int n = 0;
   if (m3_lua_source(file, &text, &len, &owned, &e) == M3_OK) {
     XXH64_update(st, text, len);
+    scan_includes(text, len, deps, &n);
     free(owned);
   }
-  for (const m3_embedded *t = m3_templates; t->name; t++)
-    if (!strncmp(t->name, "lib/", 4) && m3_lua_source(t->name, &text, &len, &owned, &e) == M3_OK) {
-      XXH64_update(st, t->name, strlen(t->name));
+  qsort(deps, (size_t)n, sizeof deps[0], cmp_name);
+  for (int i = 0; i < n; i++)
+    if (m3_lua_source(deps[i], &text, &len, &owned, &e) == M3_OK) {
+      XXH64_update(st, deps[i], strlen(deps[i]));
       XXH64_update(st, text, len);
       free(owned);
     }

@@ -32,8 +32,8 @@ m3_status m3_lua_source(const char *file, const char **text, size_t *len, char *
 const char *const *m3_lua_template_names(void);
 
 /* Push the table a template returns (loaded once per state, then memoised in
- * the registry).  *hash receives the template hash (template text plus every
- * lib/ file, XXH64).  Errors: M3_NOTFOUND, M3_TEMPLATE with file:line. */
+ * the registry).  *hash receives the template hash (template text plus the
+ * lib/ files it includes, transitively; XXH64).  Errors: M3_NOTFOUND, M3_TEMPLATE with file:line. */
 m3_status m3_lua_push_template(m3_lua *L, const char *name, uint64_t *hash, m3_err *e);
 
 /* lua_pcall with the traceback handler; on failure pops the error, records it

@@ -36,7 +36,7 @@ typedef struct m3_schema {
   m3_axis_decl axes[M3_VAR_MAX_FIELDS];
   int n_tiles;
   m3_axis_decl tiles[M3_VAR_MAX_FIELDS];
-  uint64_t hash;                   /* template hash (template text + lib/ files) */
+  uint64_t hash;                   /* template hash (its text + the lib/ files it includes) */
 } m3_schema;
 
 /* Model dimensions handed to a template's variants(cfg) as a table. */

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "gen/render.h"
 
@@ -105,6 +106,51 @@ START_TEST(default_tile_and_tile_space) {
 }
 END_TEST
 
+/* A template's hash covers its own text and the lib/ files it includes,
+ * transitively, and no others: a lib edit stales the tuning records of the
+ * templates that emit it, not every record (gen/lua_host.c). */
+static void put(const char *dir, const char *file, const char *text) {
+  char p[256];
+  snprintf(p, sizeof p, "%s/%s", dir, file);
+  FILE *f = fopen(p, "w");
+  ck_assert_ptr_nonnull(f);
+  fputs(text, f);
+  fclose(f);
+}
+static uint64_t hash_of(const char *name) {
+  m3_lua *H;
+  m3_err e;
+  ck_assert_int_eq(m3_lua_open(&H, &e), M3_OK);
+  m3_schema s;
+  ck_assert_msg(m3_render_schema(H, name, &s, &e) == M3_OK, "%s", e.msg);
+  m3_lua_close(H);
+  return s.hash;
+}
+#define TPL(lib) "local L = m3.include(\"" lib "\")\nreturn {axes = {{'a', {1}}}, tiles = {{'t', {1}}},\n" \
+  "  valid = function() return true end, default_tile = function() return {t = 1} end,\n" \
+  "  render = function() return {source = L.s, threads = 32, smem = 0} end}\n"
+START_TEST(template_hash_covers_its_includes_only) {
+  char dir[] = "/tmp/m3tplXXXXXX";
+  ck_assert_ptr_nonnull(mkdtemp(dir));
+  char lib[300];
+  snprintf(lib, sizeof lib, "%s/lib", dir);
+  ck_assert_int_eq(mkdir(lib, 0700), 0);
+  put(dir, "lib/a.lua", "local C = m3.include(\"lib/c\")\nreturn {s = C.s}\n");
+  put(dir, "lib/b.lua", "return {s = 'b'}\n");
+  put(dir, "lib/c.lua", "return {s = 'c'}\n");
+  put(dir, "t1.lua", TPL("lib/a"));
+  put(dir, "t2.lua", TPL("lib/b"));
+  setenv("M3KIT_TEMPLATE_DIR", dir, 1);
+  uint64_t t1 = hash_of("t1"), t2 = hash_of("t2");
+  put(dir, "lib/b.lua", "return {s = 'b2'}\n");
+  ck_assert(hash_of("t1") == t1);
+  ck_assert(hash_of("t2") != t2);
+  put(dir, "lib/c.lua", "return {s = 'c2'}\n"); /* reached through lib/a only */
+  ck_assert(hash_of("t1") != t1);
+  unsetenv("M3KIT_TEMPLATE_DIR");
+}
+END_TEST
+
 START_TEST(template_errors_name_file_and_line) {
   char dir[] = "/tmp/m3tplXXXXXX";
   ck_assert_ptr_nonnull(mkdtemp(dir));
@@ -145,6 +191,7 @@ int main(void) {
   tcase_add_test(tc, invalid_combinations_have_reasons);
   tcase_add_test(tc, default_tile_and_tile_space);
   tcase_add_test(tc, template_errors_name_file_and_line);
+  tcase_add_test(tc, template_hash_covers_its_includes_only);
   suite_add_tcase(s, tc);
   SRunner *sr = srunner_create(s);
   srunner_run_all(sr, CK_NORMAL);
