@@ -1,7 +1,7 @@
 /* op_qknorm.c - key and launcher of the fused qk-norm + RoPE (+ insert)
  * kernel (see ops.h).  The grid follows the template's work decomposition:
- * one warp per (token, head slot), tile.hpw slots per warp, tile.warps warps
- * per CTA.  Also the unfused insert kv_insert (one warp per cache row). */
+ * a group of tile.lph lanes per (token, head slot), 32/lph groups a warp,
+ * tile.hpw slots per group, tile.warps warps per CTA.  Also the unfused insert kv_insert (one warp per cache row). */
 #include <stdio.h>
 
 #include "runtime/ops.h"
@@ -21,7 +21,9 @@ m3_status m3_launch_qknorm_rope(const m3_kernel *k, const m3_qkr_args *a, void *
                                 void *q_out, void *index_q_out, cudaStream_t stream, m3_err *e) {
   long warps = m3_variant_tile_int(&k->key, "warps", 4), hpw = m3_variant_tile_int(&k->key, "hpw", 1);
   long slots = a->nq + a->nkv + (a->insert ? a->nkv : 0) + (a->niq ? a->niq + 1 : 0);
-  long items = (long)a->n_tokens * slots, per_cta = warps * hpw;
+  long lph = m3_variant_tile_int(&k->key, "lph", 32);
+  if (lph < 1 || lph > 32 || 32 % lph) return m3_errf(e, M3_INVAL, "qknorm_rope: tile lph=%ld must divide 32", lph);
+  long items = (long)a->n_tokens * slots, per_cta = warps * hpw * (32 / lph);
   unsigned grid = (unsigned)((items + per_cta - 1) / per_cta);
   int n = a->n_tokens;
   float eps = a->eps;

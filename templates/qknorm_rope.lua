@@ -1,7 +1,13 @@
 -- templates/qknorm_rope.lua - fused per-head Gemma RMSNorm + partial NeoX RoPE,
 -- optionally scattering K/V into the paged KV cache and index-K into the index
--- cache (spec §3.3, §3.4, §4).  One warp per (token, head slot), each lane owns
--- hd/32 = 4 contiguous dims; all math in fp32, one rounding at each store.
+-- cache (spec §3.3, §3.4, §4).  A group of `lph` lanes per (token, head
+-- slot), each lane owning hd/lph contiguous dims; all math in fp32, one
+-- rounding at each store.  lph = 32 (one warp a head, 4 dims a lane) has the
+-- least latency per head, what 1-64-token decode launches need; at an
+-- 8192-token prefill chunk that form is issue-bound (ncu: 225 instructions a
+-- head, IPC 3.2, 46% of copy), since each lane repeats the head's scalar work
+-- (metadata, index math, sqrt, reciprocal) for 4 dims only: lph = 8 or 16
+-- shares it over 16 or 8 dims and runs 4 or 2 heads a warp.
 local P = m3.include("lib/prelude")
 
 local T = {}
@@ -16,7 +22,8 @@ T.axes = {
 }
 T.tiles = {
   {"warps", {2, 4, 8, 16}},     -- warps (head slots) per CTA
-  {"hpw", {1, 2, 4}},           -- head slots per warp (more loads in flight)
+  {"hpw", {1, 2, 4}},           -- head slots per lane group (more loads in flight)
+  {"lph", {32, 16, 8}},         -- lanes per head slot (hd/lph dims a lane)
 }
 
 local function slots(k)
@@ -28,7 +35,7 @@ end
 
 function T.valid(k, t, arch)
   if m3.sm(arch) < 80 then return false, "needs sm_80+ (bf16 cvt)" end
-  if k.hd ~= 128 then return false, "head_dim must be 128 (4 dims per lane of one warp)" end
+  if k.hd ~= 128 then return false, "head_dim must be 128 (lane groups of 8, 16 or 32 split it evenly)" end
   if k.rot < 8 or k.rot > k.hd or k.rot % 8 ~= 0 then
     return false, "rotary_dim must be a multiple of 8 in [8, head_dim]"
   end
@@ -38,11 +45,18 @@ function T.valid(k, t, arch)
   if k.attn == "sparse" and k.niq < 1 then return false, "sparse layers need niq >= 1" end
   if k.insert == 0 and k.kv ~= "bf16" then return false, "kv dtype matters only with insert=1: use kv=bf16" end
   if k.bs < 1 then return false, "block size must be positive" end
-  if t.warps * t.hpw > slots(k) * 64 then return false, "CTA covers more head slots than 64 tokens hold" end
+  local dpl = k.hd // t.lph
+  if t.lph < 32 and k.rot % (2 * dpl) ~= 0 then
+    return false, "lph < 32 needs rotary_dim a multiple of 2 x hd/lph (a rotation partner one lane group away)"
+  end
+  if t.hpw * dpl > 16 then return false, "hpw x hd/lph > 16 dims a lane: the registers would spill" end
+  if t.warps * t.hpw * (32 // t.lph) > slots(k) * 64 then
+    return false, "CTA covers more head slots than 64 tokens hold"
+  end
   return true
 end
 
-function T.default_tile(k, arch) return {warps = 4, hpw = 1} end
+function T.default_tile(k, arch) return {warps = 4, hpw = 1, lph = 32} end
 
 function T.variants(c)
   local out = {}
@@ -79,72 +93,113 @@ local body = [[
 #define ROW ((NQ + 2 * NKV + (SPARSE ? NIQ + 1 : 0)) * HD)
 #define SLOTS (NQ + NKV + (INSERT ? NKV : 0) + (SPARSE ? NIQ + 1 : 0))
 
-struct f4 { float v[4]; };
+#define LPH $lph                /* lanes per head slot */
+#define DPL (HD / LPH)          /* dims per lane: 4, 8 or 16 */
+#define GPW (32 / LPH)          /* head slots a warp works on at once */
 
+struct f4 { float v[DPL]; };
+
+M3_DEV void unpack2(unsigned u, float *o) {
+  o[0] = bf16_to_f32((bf16_t)(u & 0xffff)); o[1] = bf16_to_f32((bf16_t)(u >> 16));
+}
+M3_DEV unsigned pack2(float a, float b) {
+  return (unsigned)f32_to_bf16(a) | ((unsigned)f32_to_bf16(b) << 16);
+}
+/* DPL bf16 at p, DPL*2-byte aligned: one 8-byte load at DPL 4, else 16-byte ones. */
 M3_DEV f4 load4(const bf16_t *p) {
-  uint2 u = *(const uint2 *)p;
   f4 r;
-  r.v[0] = bf16_to_f32((bf16_t)(u.x & 0xffff)); r.v[1] = bf16_to_f32((bf16_t)(u.x >> 16));
-  r.v[2] = bf16_to_f32((bf16_t)(u.y & 0xffff)); r.v[3] = bf16_to_f32((bf16_t)(u.y >> 16));
+#if DPL == 4
+  uint2 u = *(const uint2 *)p;
+  unpack2(u.x, r.v); unpack2(u.y, r.v + 2);
+#else
+#pragma unroll
+  for (int c = 0; c < DPL / 8; c++) {
+    uint4 u = ((const uint4 *)p)[c];
+    unpack2(u.x, r.v + 8 * c); unpack2(u.y, r.v + 8 * c + 2);
+    unpack2(u.z, r.v + 8 * c + 4); unpack2(u.w, r.v + 8 * c + 6);
+  }
+#endif
   return r;
 }
 M3_DEV void store4_bf16(bf16_t *p, const f4 &x) {
-  uint2 u;
-  u.x = (unsigned)f32_to_bf16(x.v[0]) | ((unsigned)f32_to_bf16(x.v[1]) << 16);
-  u.y = (unsigned)f32_to_bf16(x.v[2]) | ((unsigned)f32_to_bf16(x.v[3]) << 16);
-  *(uint2 *)p = u;
+#if DPL == 4
+  *(uint2 *)p = make_uint2(pack2(x.v[0], x.v[1]), pack2(x.v[2], x.v[3]));
+#else
+#pragma unroll
+  for (int c = 0; c < DPL / 8; c++) {
+    const float *v = x.v + 8 * c;
+    ((uint4 *)p)[c] = make_uint4(pack2(v[0], v[1]), pack2(v[2], v[3]), pack2(v[4], v[5]), pack2(v[6], v[7]));
+  }
+#endif
+}
+M3_DEV unsigned pack4_e4m3(const float *v) {
+  return (unsigned)f32_to_e4m3(v[0]) | ((unsigned)f32_to_e4m3(v[1]) << 8) |
+         ((unsigned)f32_to_e4m3(v[2]) << 16) | ((unsigned)f32_to_e4m3(v[3]) << 24);
 }
 M3_DEV void store4_e4m3(e4m3_t *p, const f4 &x) {
-  unsigned u = (unsigned)f32_to_e4m3(x.v[0]) | ((unsigned)f32_to_e4m3(x.v[1]) << 8) |
-               ((unsigned)f32_to_e4m3(x.v[2]) << 16) | ((unsigned)f32_to_e4m3(x.v[3]) << 24);
-  *(unsigned *)p = u;
+#if DPL == 4
+  *(unsigned *)p = pack4_e4m3(x.v);
+#elif DPL == 8
+  *(uint2 *)p = make_uint2(pack4_e4m3(x.v), pack4_e4m3(x.v + 4));
+#else
+  *(uint4 *)p = make_uint4(pack4_e4m3(x.v), pack4_e4m3(x.v + 4), pack4_e4m3(x.v + 8), pack4_e4m3(x.v + 12));
+#endif
 }
 M3_DEV f4 round4_bf16(f4 x) {
-  for (int i = 0; i < 4; i++) x.v[i] = bf16_to_f32(f32_to_bf16(x.v[i]));
+  for (int i = 0; i < DPL; i++) x.v[i] = bf16_to_f32(f32_to_bf16(x.v[i]));
   return x;
 }
+M3_DEV f4 zero4() {
+  f4 r;
+  for (int i = 0; i < DPL; i++) r.v[i] = 0.0f;
+  return r;
+}
 
-/* Gemma RMSNorm over the warp's 128-vector, then NeoX rotation of dims
- * [0, ROT): dim m pairs with m + ROT/2, so lane l's partner is l +- ROT/8.
+/* Gemma RMSNorm over the group's 128-vector, then NeoX rotation of dims
+ * [0, ROT): dim m pairs with m + ROT/2, so lane j's partner is j +- ROT/(2 DPL)
+ * of its group.
  * Bit-exact with m3_ref_qknorm_rope: the sum of squares is exact in fp64
  * (bf16 squares need 16 bits; any order gives the same sum), and every fp32
  * step is one explicitly rounded operation (no FMA contraction, IEEE sqrt and
  * reciprocal) in the reference's order.  Costs nothing here (memory-bound),
  * and it makes the e4m3 index outputs identical to the reference's, which the
  * block selection downstream depends on. */
-M3_DEV double warp_sum_d(double v) {
+M3_DEV double group_sum_d(double v) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  for (int o = LPH / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-/* The lane's norm weights and cos/sin, loaded before the warp's sum (after
+/* The lane's norm weights and cos/sin, loaded before the group's sum (after
  * it they were a second dependent round trip per head): the weights with the
  * head vector, cos/sin once the position has been checked. */
 struct aux { f4 w, c, s; };
-M3_DEV void load_cos_sin(aux &a, const bf16_t *cs, int lane) {
-  const int half_lanes = ROT / 8;
-  const int m = lane < half_lanes ? lane * 4 : lane * 4 - ROT / 2;
-  if (lane < 2 * half_lanes) {
+M3_DEV void load_cos_sin(aux &a, const bf16_t *cs, int j) {
+  const int half_lanes = ROT / (2 * DPL);
+  const int m = j < half_lanes ? j * DPL : j * DPL - ROT / 2;
+  if (j < 2 * half_lanes) {
     a.c = load4(cs + m);
     a.s = load4(cs + ROT / 2 + m);
   } else {
-    for (int i = 0; i < 4; i++) a.c.v[i] = a.s.v[i] = 0.0f;
+    a.c = a.s = zero4();
   }
 }
-M3_DEV f4 norm_rope(f4 x, const aux &a, float eps, int lane) {
-  double ss = (double)x.v[0] * x.v[0] + (double)x.v[1] * x.v[1] + (double)x.v[2] * x.v[2] + (double)x.v[3] * x.v[3];
-  ss = warp_sum_d(ss);
+/* Every lane of the warp must call this together (shuffles with a full mask). */
+M3_DEV f4 norm_rope(f4 x, const aux &a, float eps, int j) {
+  double ss = 0.0;
+  for (int i = 0; i < DPL; i++) ss += (double)x.v[i] * x.v[i];
+  ss = group_sum_d(ss);
   float r = __frcp_rn(__fsqrt_rn(__fadd_rn(__fmul_rn((float)ss, 1.0f / HD), eps)));
   const f4 wv = a.w;
-  for (int i = 0; i < 4; i++) x.v[i] = __fmul_rn(__fmul_rn(x.v[i], r), __fadd_rn(1.0f, wv.v[i]));
-  const int half_lanes = ROT / 8;
-  int first = lane < half_lanes;
+  for (int i = 0; i < DPL; i++) x.v[i] = __fmul_rn(__fmul_rn(x.v[i], r), __fadd_rn(1.0f, wv.v[i]));
+  const int half_lanes = ROT / (2 * DPL);
+  const int lane = threadIdx.x & 31;
+  int first = j < half_lanes;
   int partner = first ? lane + half_lanes : lane - half_lanes;
   f4 o;
-  for (int i = 0; i < 4; i++) o.v[i] = __shfl_sync(0xffffffffu, x.v[i], partner < 32 ? partner : lane);
-  if (lane < 2 * half_lanes) {
+  for (int i = 0; i < DPL; i++) o.v[i] = __shfl_sync(0xffffffffu, x.v[i], j < 2 * half_lanes ? partner : lane);
+  if (j < 2 * half_lanes) {
     const f4 c = a.c, s = a.s;
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < DPL; i++)
       x.v[i] = first ? __fsub_rn(__fmul_rn(x.v[i], c.v[i]), __fmul_rn(o.v[i], s.v[i]))
                      : __fadd_rn(__fmul_rn(x.v[i], c.v[i]), __fmul_rn(o.v[i], s.v[i]));
   }
@@ -165,9 +220,10 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
      void *__restrict__ index_q_out,           /* [N, NIQ*HD] or NULL */
      int n_tokens, i64 max_pos, float eps) {
   M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31, j = lane % LPH, g = lane / LPH;
   const i64 warp = (i64)blockIdx.x * WARPS + (threadIdx.x >> 5);
-  /* Three passes over the warp's HPW head slots.  First every load that
+  /* Three passes over the lane group's HPW head slots (a warp's GPW groups
+   * take adjacent slots: adjacent heads of a row, contiguous bytes).  First every load that
    * needs only the token index is issued at once: its slot and position, the
    * 256-byte head vector and the norm weight (a token index < n_tokens is
    * always a readable row).  Then, once the metadata is in, padding rows
@@ -183,8 +239,11 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
   int sl[HPW];
 #pragma unroll
   for (int h = 0; h < HPW; h++) {
-    const i64 item = warp * HPW + h;
+    const i64 item = (warp * HPW + h) * GPW + g;
     sl[h] = -1;
+#if LPH < 32
+    xin[h] = ax[h].w = ax[h].c = ax[h].s = zero4(); /* dropped slots still join the shuffles */
+#endif
     if (item >= (i64)n_tokens * SLOTS) continue;
     const i64 t = item / SLOTS;
     const int s = (int)(item - t * SLOTS);
@@ -193,13 +252,13 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
     /* Slots enumerate q, k, (v with insert), iq, ik: the row's head order,
      * less the v heads when they are not inserted. */
     const int head = (INSERT || s < NQ + NKV) ? s : s + NKV;
-    xin[h] = load4(qkv + t * (i64)ROW + head * HD + lane * 4);
+    xin[h] = load4(qkv + t * (i64)ROW + head * HD + j * DPL);
     /* the head's norm weight: q, k (v: none, a harmless k load), iq, ik */
     int r = s;
     const bf16_t *w = q_w;
     if (r >= NQ) { r -= NQ; w = k_w; if (r >= NKV) { r -= NKV; if (INSERT && r < NKV) w = k_w;
       else { if (INSERT) r -= NKV; w = r < NIQ ? iq_w : ik_w; } } }
-    ax[h].w = load4(w + lane * 4);
+    ax[h].w = load4(w + j * DPL);
     tok[h] = t, sl[h] = s;
   }
 #pragma unroll
@@ -207,8 +266,22 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
     if (sl[h] < 0) continue;
     const i64 pos = psn[h];
     if ((INSERT && slt[h] < 0) || pos < 0 || pos >= max_pos) { sl[h] = -1; continue; }
-    load_cos_sin(ax[h], cos_sin + pos * ROT, lane);
+    load_cos_sin(ax[h], cos_sin + pos * ROT, j);
   }
+  /* With one head a warp every branch below is warp-uniform and norm_rope is
+   * called where its result is used (the compiler cannot prove that, so each
+   * call site costs a WARPSYNC sequence, but the 1-64-token launches measured
+   * faster this way).  With several heads a warp the groups of one warp take
+   * different branches, so every slot is normed and rotated first, all lanes
+   * together (a V head's result and a dropped slot's zeros are unused). */
+#if LPH < 32
+  f4 xn[HPW];
+#pragma unroll
+  for (int h = 0; h < HPW; h++) xn[h] = norm_rope(xin[h], ax[h], eps, j);
+#define NORMED(h) xn[h]
+#else
+#define NORMED(h) norm_rope(xin[h], ax[h], eps, j)
+#endif
 #pragma unroll
   for (int h = 0; h < HPW; h++) {
     int s = sl[h];
@@ -217,17 +290,17 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
     bf16_t *row = qkv + t * (i64)ROW;
     const i64 page = slot / BS, off = slot % BS;
     if (s < NQ) {                                   /* Q head */
-      f4 x = norm_rope(xin[h], ax[h], eps, lane);
-      store4_bf16(q_out ? q_out + t * (i64)(NQ * HD) + s * HD + lane * 4 : row + s * HD + lane * 4, x);
+      f4 x = NORMED(h);
+      store4_bf16(q_out ? q_out + t * (i64)(NQ * HD) + s * HD + j * DPL : row + s * HD + j * DPL, x);
       continue;
     }
     s -= NQ;
     if (s < NKV) {                                  /* K head */
-      bf16_t *src = row + (NQ + s) * HD + lane * 4;
-      f4 x = norm_rope(xin[h], ax[h], eps, lane);
+      bf16_t *src = row + (NQ + s) * HD + j * DPL;
+      f4 x = NORMED(h);
       store4_bf16(src, x);
       if (INSERT) {
-        i64 at = ((page * NKV + s) * BS + off) * (2 * HD) + lane * 4;
+        i64 at = ((page * NKV + s) * BS + off) * (2 * HD) + j * DPL;
         if (KV_E4M3) store4_e4m3((e4m3_t *)kv_cache + at, SPARSE ? x : round4_bf16(x));
         else store4_bf16((bf16_t *)kv_cache + at, x);
       }
@@ -236,7 +309,7 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
     s -= NKV;
     if (INSERT && s < NKV) {                        /* V head: copied as is */
       f4 x = xin[h];
-      i64 at = ((page * NKV + s) * BS + off) * (2 * HD) + HD + lane * 4;
+      i64 at = ((page * NKV + s) * BS + off) * (2 * HD) + HD + j * DPL;
       if (KV_E4M3) store4_e4m3((e4m3_t *)kv_cache + at, x);
       else store4_bf16((bf16_t *)kv_cache + at, x);
       continue;
@@ -244,10 +317,10 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
     if (INSERT) s -= NKV;
 #if SPARSE
     if (s < NIQ) {                                  /* index-Q head */
-      bf16_t *src = row + (NQ + 2 * NKV + s) * HD + lane * 4;
-      f4 x = norm_rope(xin[h], ax[h], eps, lane);
+      bf16_t *src = row + (NQ + 2 * NKV + s) * HD + j * DPL;
+      f4 x = NORMED(h);
       if (index_q_out) {
-        i64 at = t * (i64)(NIQ * HD) + s * HD + lane * 4;
+        i64 at = t * (i64)(NIQ * HD) + s * HD + j * DPL;
         if (IDX_E4M3) store4_e4m3((e4m3_t *)index_q_out + at, x);
         else store4_bf16((bf16_t *)index_q_out + at, x);
       } else {
@@ -256,13 +329,13 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
       continue;
     }
     {                                               /* the single index-K head */
-      bf16_t *src = row + (NQ + 2 * NKV + NIQ) * HD + lane * 4;
-      f4 x = norm_rope(xin[h], ax[h], eps, lane);
+      bf16_t *src = row + (NQ + 2 * NKV + NIQ) * HD + j * DPL;
+      f4 x = NORMED(h);
       store4_bf16(src, x);
       if (INSERT) {
         i64 islot = index_slot_mapping ? index_slot_mapping[t] : slot;
         if (islot >= 0) {
-          i64 at = islot * HD + lane * 4;
+          i64 at = islot * HD + j * DPL;
           if (IDX_E4M3) store4_e4m3((e4m3_t *)index_cache + at, x);
           else store4_bf16((bf16_t *)index_cache + at, x);
         }
@@ -278,7 +351,7 @@ function T.render(k, t, arch, sym)
     nq = k.nq, nkv = k.nkv, niq = k.niq, rot = k.rot, bs = k.bs,
     sparse = k.attn == "sparse" and 1 or 0, insert = k.insert,
     kv_e4m3 = k.kv == "e4m3" and 1 or 0, idx_e4m3 = k.idxk == "e4m3" and 1 or 0,
-    warps = t.warps, hpw = t.hpw, sym = sym,
+    warps = t.warps, hpw = t.hpw, lph = t.lph, sym = sym,
   }
   local src = body:gsub("%$([%w_]+)", function(n)
     if v[n] == nil then error("qknorm_rope: no value for $" .. n) end

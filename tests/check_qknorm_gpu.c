@@ -244,6 +244,9 @@ START_TEST(every_variant_every_T) {
   int vi = _i / 4, T = Ts[_i % 4];
   if (m3_test_emulated() && T > 128) return; /* the CPU emulator: small shapes */
   run(variant_args(vi, T), (opts_t){.pad_every = 7, .q_out = 1, .iq_out = 1});
+  /* Several heads a warp (lane groups of 8 or 16) take another code path. */
+  const char *grouped = _i % 2 ? "warps=4,hpw=2,lph=16" : "warps=4,hpw=1,lph=8";
+  run(variant_args(vi, T), (opts_t){.pad_every = 7, .q_out = 1, .iq_out = 1, .tile = grouped});
 }
 END_TEST
 
@@ -280,7 +283,8 @@ END_TEST
  * variant and every head slot; #2: rotary_dim (not head_dim) convention at
  * positions 0, 700, 1000, 2355 with an all-ones input. */
 START_TEST(neox_pairing_every_variant) {
-  m3_qkr_args a = variant_args(_i, 1);
+  m3_qkr_args a = variant_args(_i % 9, 1);
+  const char *tile = _i >= 9 ? "warps=4,hpw=1,lph=8" : NULL; /* partner 2 lanes away, not 8 */
   size_t row = row_of(&a);
   m3_bf16 *in = calloc(row, sizeof *in), *got = calloc(row, sizeof *got);
   for (size_t h = 0; h < row / 128; h++) {
@@ -288,7 +292,7 @@ START_TEST(neox_pairing_every_variant) {
     in[h * 128 + 32] = m3_f32_to_bf16(3), in[h * 128 + 33] = m3_f32_to_bf16(4);
   }
   int64_t p1 = 1;
-  run(a, (opts_t){.toy = 1, .qkv_in = in, .pos_in = &p1, .q_out = 1, .iq_out = 0, .q_result = got});
+  run(a, (opts_t){.toy = 1, .qkv_in = in, .pos_in = &p1, .q_out = 1, .iq_out = 0, .q_result = got, .tile = tile});
   const float want[4] = {-4.09836f, -2.60827f, 5.08627f, 8.86173f};
   const int dims[4] = {0, 1, 32, 33};
   int v_first = a.nq + a.nkv, v_end = a.nq + 2 * a.nkv; /* V heads are not rotated */
@@ -307,7 +311,7 @@ START_TEST(neox_pairing_every_variant) {
   for (int p = 0; p < 4; p++) {
     m3_bf16 *ones = malloc(row * sizeof *ones), *out = calloc(row, sizeof *out);
     for (size_t i = 0; i < row; i++) ones[i] = m3_f32_to_bf16(1.0f);
-    run(a, (opts_t){.toy = 1, .qkv_in = ones, .pos_in = &ps[p], .q_out = 1, .q_result = out});
+    run(a, (opts_t){.toy = 1, .qkv_in = ones, .pos_in = &ps[p], .q_out = 1, .q_result = out, .tile = tile});
     if (ps[p] == 1000) {
       const float exp_[3][3] = {{0, -0.26450f, 1.38926f}, {1, -1.39592f, 0.22676f}, {31, 0.85816f, 1.12408f}};
       for (int i = 0; i < 3; i++) {
@@ -332,6 +336,10 @@ START_TEST(short_metadata_and_padding) {
   int64_t pos[3] = {5, (int64_t)2147483647, 9};
   m3_qkr_args b = variant_args(4, 3);
   opts_t o = {.pad_every = 2, .q_out = 1, .iq_out = 1, .pos_in = pos}; /* row 1 is padding */
+  run(b, o);
+  /* The same with 4 heads a warp: dropped slots still join the group's shuffles. */
+  run(a, (opts_t){.q_out = 1, .iq_out = 1, .tile = "warps=2,hpw=1,lph=8"});
+  o.tile = "warps=2,hpw=1,lph=8";
   run(b, o);
 }
 END_TEST
@@ -441,7 +449,7 @@ static Suite *make(void) {
   tcase_add_loop_test(tc, every_variant_every_T, 0, 9 * 4);
   tcase_add_loop_test(tc, in_place_outputs, 0, 2);
   tcase_add_loop_test(tc, every_valid_tile_same_answer, 0, 9);
-  tcase_add_loop_test(tc, neox_pairing_every_variant, 0, 9);
+  tcase_add_loop_test(tc, neox_pairing_every_variant, 0, 18);
   tcase_add_test(tc, short_metadata_and_padding);
   tcase_add_loop_test(tc, cache_offsets_past_2GiB, 0, 2);
   tcase_add_loop_test(tc, unfused_insert_equals_fused, 0, 6);
