@@ -133,6 +133,13 @@ static CUresult e_cuFuncGetAttribute(int *v, CUfunction_attribute a, CUfunction 
   return CUDA_SUCCESS;
 }
 
+/* The emulator has no SMs to fill: "unknown", and split rules use their fallback. */
+static CUresult e_cuOccupancyMaxActiveBlocksPerMultiprocessor(int *n, CUfunction f, int threads, size_t smem) {
+  (void)f; (void)threads; (void)smem;
+  *n = 0;
+  return CUDA_SUCCESS;
+}
+
 static CUresult e_cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                  unsigned bz, unsigned smem, CUstream s, void **args, void **extra) {
   (void)s; (void)extra;
@@ -363,6 +370,7 @@ __attribute__((constructor)) static void m3emu_install(void) {
       .cuModuleLoadData = e_cuModuleLoadData, .cuModuleUnload = e_cuModuleUnload,
       .cuModuleGetFunction = e_cuModuleGetFunction, .cuFuncSetAttribute = e_cuFuncSetAttribute,
       .cuFuncGetAttribute = e_cuFuncGetAttribute, .cuLaunchKernel = e_cuLaunchKernel, .cuLaunchKernelEx = e_cuLaunchKernelEx,
+      .cuOccupancyMaxActiveBlocksPerMultiprocessor = e_cuOccupancyMaxActiveBlocksPerMultiprocessor,
       .cuGetErrorName = e_cuGetErrorName, .cuGetErrorString = e_cuGetErrorString};
   m3_driver_install(&d, "m3kit CPU emulator", emu_compile, EMU_OPTIONS);
 }

@@ -154,20 +154,10 @@ m3_status m3_launch(const m3_module *m, unsigned gx, unsigned gy, unsigned gz, C
   return M3_OK;
 }
 
-int m3_module_resident_ctas(const m3_module *m, const char *arch) {
-  int regs = 0, smem = 0, sm = 0;
-  if (!m->fn || m3_drv.cuFuncGetAttribute(&regs, CU_FUNC_ATTRIBUTE_NUM_REGS, m->fn) != CUDA_SUCCESS || regs <= 0)
+int m3_module_resident_ctas(const m3_module *m) {
+  int n = 0;
+  if (!m->fn || m3_drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(&n, m->fn, m->threads > 0 ? m->threads : 128,
+                                                                   (size_t)(m->smem > 0 ? m->smem : 0)) != CUDA_SUCCESS)
     return 0;
-  if (m3_drv.cuFuncGetAttribute(&smem, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, m->fn) != CUDA_SUCCESS) smem = 0;
-  smem += m->smem > 0 ? m->smem : 0;
-  sscanf(arch, "sm_%d", &sm);
-  const int small = sm == 86 || sm == 87 || sm == 89 || sm >= 120; /* 1536-thread SMs */
-  const int max_threads = small ? 1536 : 2048, max_ctas = small ? 16 : 32;
-  const int smem_sm = sm == 80 || sm == 87 ? 164 << 10 : (sm == 90 || (sm >= 100 && sm < 120)) ? 228 << 10 : 100 << 10;
-  const int threads = m->threads > 0 ? m->threads : 128, warps = (threads + 31) / 32;
-  const int warp_regs = (regs * 32 + 255) / 256 * 256;
-  int n = 65536 / (warps * warp_regs);
-  if (n > max_threads / threads) n = max_threads / threads;
-  if (n > smem_sm / (smem + 1024)) n = smem_sm / (smem + 1024);
-  return n < max_ctas ? n : max_ctas;
+  return n > 0 ? n : 0;
 }

@@ -59,13 +59,13 @@ void m3_module_unload(m3_module *m);
 m3_status m3_launch(const m3_module *m, unsigned gx, unsigned gy, unsigned gz, CUstream stream,
                     void **args, m3_err *e);
 
-/* CTAs of module m resident on one SM of arch ("sm_90"): its registers, static
- * + dynamic shared memory and block size against the SM limits (64K registers
- * on every sm_80+ part, allocated per warp in units of 256; threads, CTAs and
- * shared memory per SM as the CUDA occupancy tables give them, 1 KB reserved
- * per CTA).  0 when the driver reports no register count (the CPU emulator):
- * callers pick their own fallback.  For split rules (one wave of CTAs), not
- * correctness. */
-int m3_module_resident_ctas(const m3_module *m, const char *arch);
+/* CTAs of module m one SM holds at once, at its block size and dynamic
+ * shared memory: the driver's occupancy calculator
+ * (cuOccupancyMaxActiveBlocksPerMultiprocessor), which knows the part's
+ * register allocation and its L1/shared split (a hand-made estimate from the
+ * occupancy tables over-counted: one wave planned, two run).  0 when the
+ * driver cannot tell (the CPU emulator): callers pick their own fallback.
+ * For split rules (one wave of CTAs), not correctness. */
+int m3_module_resident_ctas(const m3_module *m);
 
 #endif

@@ -162,7 +162,7 @@ static m3_status rt_kernel_resolve(m3_rt *rt, const m3_variant *key, const m3_bu
   nk->key = v;
   nk->from_tuning = tuned;
   nk->sm_count = rt->dev.sm_count;
-  nk->resident = m3_module_resident_ctas(&nk->mod, v.arch);
+  nk->resident = m3_module_resident_ctas(&nk->mod);
   if (rt->n_kernels == rt->cap_kernels) {
     int cap = rt->cap_kernels ? rt->cap_kernels * 2 : 64;
     m3_kernel **nn = realloc(rt->kernels, sizeof *nn * (size_t)cap);
