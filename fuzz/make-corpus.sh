@@ -45,7 +45,7 @@ for preset in minimax-m3 tiny; do
   done
 done
 k=$("$B/m3kit" gen --list --preset minimax-m3 | grep '^qknorm_rope(' | tail -1)
-printf '%s[warps=4,hpw=1]@sm_90' "$k" > "$OUT/variant/key-tile-arch"
+printf '%s[warps=4,hpw=1,lph=32]@sm_90' "$k" > "$OUT/variant/key-tile-arch"
 printf '%s@sm_100a' "$k" > "$OUT/variant/key-arch-only"
 
 du -sh "$OUT"
