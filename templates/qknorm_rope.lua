@@ -49,7 +49,7 @@ function T.valid(k, t, arch)
   if t.lph < 32 and k.rot % (2 * dpl) ~= 0 then
     return false, "lph < 32 needs rotary_dim a multiple of 2 x hd/lph (a rotation partner one lane group away)"
   end
-  if t.hpw * dpl > 16 then return false, "hpw x hd/lph > 16 dims a lane: the registers would spill" end
+  if t.hpw * dpl > 32 then return false, "hpw x hd/lph > 32 dims a lane: the registers would spill" end
   if t.warps * t.hpw * (32 // t.lph) > slots(k) * 64 then
     return false, "CTA covers more head slots than 64 tokens hold"
   end
@@ -98,27 +98,51 @@ local body = [[
 #define GPW (32 / LPH)          /* head slots a warp works on at once */
 
 struct f4 { float v[DPL]; };
-
-M3_DEV void unpack2(unsigned u, float *o) {
-  o[0] = bf16_to_f32((bf16_t)(u & 0xffff)); o[1] = bf16_to_f32((bf16_t)(u >> 16));
+/* DPL bf16 as loaded (pairs in 32-bit words), widened one element at a time
+ * where it is used: the head vector, its norm weight and cos/sin stay packed
+ * while loads are in flight and during the math, which halves their
+ * registers (lph = 8: 90 -> ~60), and registers bound the warps an SM holds,
+ * i.e. the bytes it has in flight (the 8192-token launch is latency-bound). */
+struct pk { unsigned u[DPL / 2]; };
+M3_DEV float pk_at(const pk &p, int i) {
+  return bf16_to_f32((bf16_t)((i & 1) ? (p.u[i >> 1] >> 16) : (p.u[i >> 1] & 0xffff)));
 }
+
 M3_DEV unsigned pack2(float a, float b) {
   return (unsigned)f32_to_bf16(a) | ((unsigned)f32_to_bf16(b) << 16);
 }
 /* DPL bf16 at p, DPL*2-byte aligned: one 8-byte load at DPL 4, else 16-byte ones. */
-M3_DEV f4 load4(const bf16_t *p) {
-  f4 r;
+M3_DEV pk loadpk(const bf16_t *p) {
+  pk r;
 #if DPL == 4
   uint2 u = *(const uint2 *)p;
-  unpack2(u.x, r.v); unpack2(u.y, r.v + 2);
+  r.u[0] = u.x; r.u[1] = u.y;
 #else
 #pragma unroll
   for (int c = 0; c < DPL / 8; c++) {
     uint4 u = ((const uint4 *)p)[c];
-    unpack2(u.x, r.v + 8 * c); unpack2(u.y, r.v + 8 * c + 2);
-    unpack2(u.z, r.v + 8 * c + 4); unpack2(u.w, r.v + 8 * c + 6);
+    r.u[4 * c] = u.x; r.u[4 * c + 1] = u.y; r.u[4 * c + 2] = u.z; r.u[4 * c + 3] = u.w;
   }
 #endif
+  return r;
+}
+M3_DEV void storepk(bf16_t *p, const pk &x) {
+#if DPL == 4
+  *(uint2 *)p = make_uint2(x.u[0], x.u[1]);
+#else
+#pragma unroll
+  for (int c = 0; c < DPL / 8; c++)
+    ((uint4 *)p)[c] = make_uint4(x.u[4 * c], x.u[4 * c + 1], x.u[4 * c + 2], x.u[4 * c + 3]);
+#endif
+}
+M3_DEV f4 unpack4(const pk &x) {
+  f4 r;
+  for (int i = 0; i < DPL; i++) r.v[i] = pk_at(x, i);
+  return r;
+}
+M3_DEV pk zeropk() {
+  pk r;
+  for (int i = 0; i < DPL / 2; i++) r.u[i] = 0u;
   return r;
 }
 M3_DEV void store4_bf16(bf16_t *p, const f4 &x) {
@@ -149,11 +173,6 @@ M3_DEV f4 round4_bf16(f4 x) {
   for (int i = 0; i < DPL; i++) x.v[i] = bf16_to_f32(f32_to_bf16(x.v[i]));
   return x;
 }
-M3_DEV f4 zero4() {
-  f4 r;
-  for (int i = 0; i < DPL; i++) r.v[i] = 0.0f;
-  return r;
-}
 
 /* Gemma RMSNorm over the group's 128-vector, then NeoX rotation of dims
  * [0, ROT): dim m pairs with m + ROT/2, so lane j's partner is j +- ROT/(2 DPL)
@@ -172,36 +191,40 @@ M3_DEV double group_sum_d(double v) {
 /* The lane's norm weights and cos/sin, loaded before the group's sum (after
  * it they were a second dependent round trip per head): the weights with the
  * head vector, cos/sin once the position has been checked. */
-struct aux { f4 w, c, s; };
+struct aux { pk w, c, s; };
 M3_DEV void load_cos_sin(aux &a, const bf16_t *cs, int j) {
   const int half_lanes = ROT / (2 * DPL);
   const int m = j < half_lanes ? j * DPL : j * DPL - ROT / 2;
   if (j < 2 * half_lanes) {
-    a.c = load4(cs + m);
-    a.s = load4(cs + ROT / 2 + m);
+    a.c = loadpk(cs + m);
+    a.s = loadpk(cs + ROT / 2 + m);
   } else {
-    a.c = a.s = zero4();
+    a.c = a.s = zeropk();
   }
 }
 /* Every lane of the warp must call this together (shuffles with a full mask). */
-M3_DEV f4 norm_rope(f4 x, const aux &a, float eps, int j) {
+M3_DEV f4 norm_rope(const pk &xp, const aux &a, float eps, int j) {
   double ss = 0.0;
-  for (int i = 0; i < DPL; i++) ss += (double)x.v[i] * x.v[i];
+  for (int i = 0; i < DPL; i++) {
+    const float v = pk_at(xp, i);
+    ss += (double)v * v;
+  }
   ss = group_sum_d(ss);
   float r = __frcp_rn(__fsqrt_rn(__fadd_rn(__fmul_rn((float)ss, 1.0f / HD), eps)));
-  const f4 wv = a.w;
-  for (int i = 0; i < DPL; i++) x.v[i] = __fmul_rn(__fmul_rn(x.v[i], r), __fadd_rn(1.0f, wv.v[i]));
   const int half_lanes = ROT / (2 * DPL);
   const int lane = threadIdx.x & 31;
-  int first = j < half_lanes;
-  int partner = first ? lane + half_lanes : lane - half_lanes;
-  f4 o;
-  for (int i = 0; i < DPL; i++) o.v[i] = __shfl_sync(0xffffffffu, x.v[i], j < 2 * half_lanes ? partner : lane);
-  if (j < 2 * half_lanes) {
-    const f4 c = a.c, s = a.s;
-    for (int i = 0; i < DPL; i++)
-      x.v[i] = first ? __fsub_rn(__fmul_rn(x.v[i], c.v[i]), __fmul_rn(o.v[i], s.v[i]))
-                     : __fadd_rn(__fmul_rn(x.v[i], c.v[i]), __fmul_rn(o.v[i], s.v[i]));
+  const int first = j < half_lanes, rotating = j < 2 * half_lanes;
+  const int src = rotating ? (first ? lane + half_lanes : lane - half_lanes) : lane;
+  /* Element by element: each value's partner is shuffled (every lane at
+   * once, so all read the pre-rotation value) and rotated before the next is
+   * formed, so no second DPL-float array is live. */
+  f4 x;
+  for (int i = 0; i < DPL; i++) {
+    const float v = __fmul_rn(__fmul_rn(pk_at(xp, i), r), __fadd_rn(1.0f, pk_at(a.w, i)));
+    const float o = __shfl_sync(0xffffffffu, v, src);
+    const float c = pk_at(a.c, i), s = pk_at(a.s, i);
+    x.v[i] = !rotating ? v
+           : first ? __fsub_rn(__fmul_rn(v, c), __fmul_rn(o, s)) : __fadd_rn(__fmul_rn(v, c), __fmul_rn(o, s));
   }
   return x;
 }
@@ -233,7 +256,7 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
    * round trips, not four (slot, then position, then vector, then cos/sin),
    * and HPW heads per warp (the tile) multiply the bytes in flight that DRAM
    * latency x an SM's share of bandwidth needs. */
-  f4 xin[HPW];
+  pk xin[HPW];
   aux ax[HPW];
   i64 tok[HPW], slt[HPW], psn[HPW];
   int sl[HPW];
@@ -242,7 +265,7 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
     const i64 item = (warp * HPW + h) * GPW + g;
     sl[h] = -1;
 #if LPH < 32
-    xin[h] = ax[h].w = ax[h].c = ax[h].s = zero4(); /* dropped slots still join the shuffles */
+    xin[h] = ax[h].w = ax[h].c = ax[h].s = zeropk(); /* dropped slots still join the shuffles */
 #endif
     if (item >= (i64)n_tokens * SLOTS) continue;
     const i64 t = item / SLOTS;
@@ -252,13 +275,13 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
     /* Slots enumerate q, k, (v with insert), iq, ik: the row's head order,
      * less the v heads when they are not inserted. */
     const int head = (INSERT || s < NQ + NKV) ? s : s + NKV;
-    xin[h] = load4(qkv + t * (i64)ROW + head * HD + j * DPL);
+    xin[h] = loadpk(qkv + t * (i64)ROW + head * HD + j * DPL);
     /* the head's norm weight: q, k (v: none, a harmless k load), iq, ik */
     int r = s;
     const bf16_t *w = q_w;
     if (r >= NQ) { r -= NQ; w = k_w; if (r >= NKV) { r -= NKV; if (INSERT && r < NKV) w = k_w;
       else { if (INSERT) r -= NKV; w = r < NIQ ? iq_w : ik_w; } } }
-    ax[h].w = load4(w + j * DPL);
+    ax[h].w = loadpk(w + j * DPL);
     tok[h] = t, sl[h] = s;
   }
 #pragma unroll
@@ -308,10 +331,9 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
     }
     s -= NKV;
     if (INSERT && s < NKV) {                        /* V head: copied as is */
-      f4 x = xin[h];
       i64 at = ((page * NKV + s) * BS + off) * (2 * HD) + HD + j * DPL;
-      if (KV_E4M3) store4_e4m3((e4m3_t *)kv_cache + at, x);
-      else store4_bf16((bf16_t *)kv_cache + at, x);
+      if (KV_E4M3) store4_e4m3((e4m3_t *)kv_cache + at, unpack4(xin[h]));
+      else storepk((bf16_t *)kv_cache + at, xin[h]);
       continue;
     }
     if (INSERT) s -= NKV;

@@ -245,7 +245,8 @@ START_TEST(every_variant_every_T) {
   if (m3_test_emulated() && T > 128) return; /* the CPU emulator: small shapes */
   run(variant_args(vi, T), (opts_t){.pad_every = 7, .q_out = 1, .iq_out = 1});
   /* Several heads a warp (lane groups of 8 or 16) take another code path. */
-  const char *grouped = _i % 2 ? "warps=4,hpw=2,lph=16" : "warps=4,hpw=1,lph=8";
+  static const char *const groupings[] = {"warps=4,hpw=1,lph=8", "warps=4,hpw=2,lph=16", "warps=2,hpw=2,lph=8"};
+  const char *grouped = groupings[_i % 3];
   run(variant_args(vi, T), (opts_t){.pad_every = 7, .q_out = 1, .iq_out = 1, .tile = grouped});
 }
 END_TEST
