@@ -14,10 +14,8 @@
 #include "gen/render.h"
 #include "runtime/log.h"
 
-typedef struct { m3_lua *lua; char buf[32]; } hash_ctx;
-
-static const char *template_hash(void *ctx, const char *name) {
-  hash_ctx *h = ctx;
+const char *m3_tuning_template_hash(void *ctx, const char *name) {
+  m3_tuning_hash_ctx *h = ctx;
   m3_schema s;
   m3_err e;
   if (m3_render_schema(h->lua, name, &s, &e) != M3_OK) return NULL;
@@ -47,8 +45,8 @@ struct m3_tunedb *m3_tuning_open(const char *cache_root, const m3_device *dev, m
   char user[4200], seed[4200], drv[32];
   snprintf(user, sizeof user, "%s/tuning/%s.json", cache_root, dev->arch);
   snprintf(drv, sizeof drv, "%d", dev->driver_version);
-  hash_ctx hc = {.lua = lua};
-  m3_tunedb_filter f = {.arch = dev->arch, .driver_version = drv, .template_hash = template_hash, .ctx = &hc};
+  m3_tuning_hash_ctx hc = {.lua = lua};
+  m3_tunedb_filter f = {.arch = dev->arch, .driver_version = drv, .template_hash = m3_tuning_template_hash, .ctx = &hc};
   m3_tunedb_report rep;
   m3_err e;
   memset(&rep, 0, sizeof rep);

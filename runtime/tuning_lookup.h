@@ -19,6 +19,13 @@ struct m3_bucket;
  * tree's; its path in buf, or NULL when there is none. */
 const char *m3_tuning_seed_path(const char *arch, char *buf, size_t n);
 
+/* The template-hash check of a tuning DB load (m3_tunedb_filter.template_hash)
+ * as the runtime applies it: ctx is an m3_tuning_hash_ctx whose lua renders
+ * the templates this build embeds (or $M3KIT_TEMPLATE_DIR's); the template's
+ * hash as 16 hex digits in ctx->buf, or NULL when `name` is no template. */
+typedef struct m3_tuning_hash_ctx { m3_lua *lua; char buf[32]; } m3_tuning_hash_ctx;
+const char *m3_tuning_template_hash(void *ctx, const char *name);
+
 /* Never fails: an unreadable or stale DB is reported once and ignored. */
 struct m3_tunedb *m3_tuning_open(const char *cache_root, const m3_device *dev, m3_lua *lua);
 void m3_tuning_close(struct m3_tunedb *db);

@@ -9,6 +9,7 @@
 #include "cache/tunedb.h"
 #include "gen/render.h"
 #include "m3config.h"
+#include "runtime/tuning_lookup.h"
 
 static m3_lua *L;
 static void setup(void) { m3_err e; ck_assert_int_eq(m3_lua_open(&L, &e), M3_OK); }
@@ -187,21 +188,13 @@ END_TEST
  * (or lib/) edit stales its records, and a stale seed record is silently
  * skipped at run time, so the kernel would run its default tile.  The remedy
  * is a re-tune on the GPU and tools/seed_merge.py (bench/README.md). */
-static const char *schema_hash(void *ctx, const char *name) {
-  static char buf[32];
-  m3_schema s;
-  m3_err e;
-  if (m3_render_schema(ctx, name, &s, &e) != M3_OK) return NULL;
-  snprintf(buf, sizeof buf, "%016llx", (unsigned long long)s.hash);
-  return buf;
-}
-
 START_TEST(seed_db_matches_the_templates) {
   char path[4200];
   snprintf(path, sizeof path, "%s/sm_90.json", M3_SRC_SEED_DIR);
   m3_tunedb *db = m3_tunedb_new();
   ck_assert_ptr_nonnull(db);
-  m3_tunedb_filter f = {.arch = "sm_90", .template_hash = schema_hash, .ctx = L};
+  m3_tuning_hash_ctx hc = {.lua = L};
+  m3_tunedb_filter f = {.arch = "sm_90", .template_hash = m3_tuning_template_hash, .ctx = &hc};
   m3_tunedb_report rep;
   memset(&rep, 0, sizeof rep);
   m3_err e;
