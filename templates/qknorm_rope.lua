@@ -97,6 +97,27 @@ local body = [[
 #define DPL (HD / LPH)          /* dims per lane: 4, 8 or 16 */
 #define GPW (32 / LPH)          /* head slots a warp works on at once */
 
+/* PAIRED (lph = 8, ROT in {32, 64, 128}): a lane's 16 dims are two 8-dim
+ * pieces ROT/2 apart, m and m + ROT/2, so that NeoX partners sit in one
+ * lane and the rotation needs no shuffle (ncu, 8192 tokens: issue-bound,
+ * 78% of issue slots busy, and the 16 partner shuffles a lane were a head's
+ * largest instruction block).  Lane j's pieces are chunks (16 bytes) b and
+ * b + R of the head, b = (j / R) 2R + j % R, R = ROT/16: lanes j < R hold the
+ * rotary dims, the others the rest, and each 16-byte load instruction of the
+ * group still covers whole 32-byte sectors. */
+#define PR (ROT / 16)
+#define PAIRED (DPL == 16 && ROT % 16 == 0 && 16 % (2 * PR) == 0)
+/* Dim offset of the lane's piece c (of DPL / 8) from j * DPL, the base
+ * every caller passes. */
+M3_DEV int piece(int c) {
+#if PAIRED
+  const int j = (threadIdx.x & 31) % LPH, b = (j / PR) * 2 * PR + j % PR;
+  return (b + c * PR) * 8 - j * DPL;
+#else
+  return 8 * c;
+#endif
+}
+
 struct f4 { float v[DPL]; };
 /* DPL bf16 as loaded (pairs in 32-bit words), widened one element at a time
  * where it is used: the head vector, its norm weight and cos/sin stay packed
@@ -120,7 +141,7 @@ M3_DEV pk loadpk(const bf16_t *p) {
 #else
 #pragma unroll
   for (int c = 0; c < DPL / 8; c++) {
-    uint4 u = ((const uint4 *)p)[c];
+    uint4 u = *(const uint4 *)(p + piece(c));
     r.u[4 * c] = u.x; r.u[4 * c + 1] = u.y; r.u[4 * c + 2] = u.z; r.u[4 * c + 3] = u.w;
   }
 #endif
@@ -132,7 +153,7 @@ M3_DEV void storepk(bf16_t *p, const pk &x) {
 #else
 #pragma unroll
   for (int c = 0; c < DPL / 8; c++)
-    ((uint4 *)p)[c] = make_uint4(x.u[4 * c], x.u[4 * c + 1], x.u[4 * c + 2], x.u[4 * c + 3]);
+    *(uint4 *)(p + piece(c)) = make_uint4(x.u[4 * c], x.u[4 * c + 1], x.u[4 * c + 2], x.u[4 * c + 3]);
 #endif
 }
 M3_DEV f4 unpack4(const pk &x) {
@@ -152,7 +173,7 @@ M3_DEV void store4_bf16(bf16_t *p, const f4 &x) {
 #pragma unroll
   for (int c = 0; c < DPL / 8; c++) {
     const float *v = x.v + 8 * c;
-    ((uint4 *)p)[c] = make_uint4(pack2(v[0], v[1]), pack2(v[2], v[3]), pack2(v[4], v[5]), pack2(v[6], v[7]));
+    *(uint4 *)(p + piece(c)) = make_uint4(pack2(v[0], v[1]), pack2(v[2], v[3]), pack2(v[4], v[5]), pack2(v[6], v[7]));
   }
 #endif
 }
@@ -166,7 +187,8 @@ M3_DEV void store4_e4m3(e4m3_t *p, const f4 &x) {
 #elif DPL == 8
   *(uint2 *)p = make_uint2(pack4_e4m3(x.v), pack4_e4m3(x.v + 4));
 #else
-  *(uint4 *)p = make_uint4(pack4_e4m3(x.v), pack4_e4m3(x.v + 4), pack4_e4m3(x.v + 8), pack4_e4m3(x.v + 12));
+  *(uint2 *)(p + piece(0)) = make_uint2(pack4_e4m3(x.v), pack4_e4m3(x.v + 4));
+  *(uint2 *)(p + piece(1)) = make_uint2(pack4_e4m3(x.v + 8), pack4_e4m3(x.v + 12));
 #endif
 }
 M3_DEV f4 round4_bf16(f4 x) {
@@ -193,6 +215,16 @@ M3_DEV double group_sum_d(double v) {
  * head vector, cos/sin once the position has been checked. */
 struct aux { pk w, c, s; };
 M3_DEV void load_cos_sin(aux &a, const bf16_t *cs, int j) {
+#if PAIRED
+  /* both pieces rotate by the same angles: 8 cos and 8 sin */
+  a.c = a.s = zeropk();
+  if (j < PR) {
+    const uint4 c = *(const uint4 *)(cs + 8 * j), s = *(const uint4 *)(cs + ROT / 2 + 8 * j);
+    a.c.u[0] = c.x; a.c.u[1] = c.y; a.c.u[2] = c.z; a.c.u[3] = c.w;
+    a.s.u[0] = s.x; a.s.u[1] = s.y; a.s.u[2] = s.z; a.s.u[3] = s.w;
+  }
+  return;
+#endif
   const int half_lanes = ROT / (2 * DPL);
   const int m = j < half_lanes ? j * DPL : j * DPL - ROT / 2;
   if (j < 2 * half_lanes) {
@@ -211,6 +243,18 @@ M3_DEV f4 norm_rope(const pk &xp, const aux &a, float eps, int j) {
   }
   ss = group_sum_d(ss);
   float r = __frcp_rn(__fsqrt_rn(__fadd_rn(__fmul_rn((float)ss, 1.0f / HD), eps)));
+  f4 x;
+#if PAIRED
+  const int rot = j < PR;
+  for (int i = 0; i < 8; i++) {
+    const float v0 = __fmul_rn(__fmul_rn(pk_at(xp, i), r), __fadd_rn(1.0f, pk_at(a.w, i)));
+    const float v1 = __fmul_rn(__fmul_rn(pk_at(xp, 8 + i), r), __fadd_rn(1.0f, pk_at(a.w, 8 + i)));
+    const float c = pk_at(a.c, i), s = pk_at(a.s, i);
+    x.v[i] = rot ? __fsub_rn(__fmul_rn(v0, c), __fmul_rn(v1, s)) : v0;
+    x.v[8 + i] = rot ? __fadd_rn(__fmul_rn(v1, c), __fmul_rn(v0, s)) : v1;
+  }
+  return x;
+#endif
   const int half_lanes = ROT / (2 * DPL);
   const int lane = threadIdx.x & 31;
   const int first = j < half_lanes, rotating = j < 2 * half_lanes;
@@ -218,7 +262,6 @@ M3_DEV f4 norm_rope(const pk &xp, const aux &a, float eps, int j) {
   /* Element by element: each value's partner is shuffled (every lane at
    * once, so all read the pre-rotation value) and rotated before the next is
    * formed, so no second DPL-float array is live. */
-  f4 x;
   for (int i = 0; i < DPL; i++) {
     const float v = __fmul_rn(__fmul_rn(pk_at(xp, i), r), __fadd_rn(1.0f, pk_at(a.w, i)));
     const float o = __shfl_sync(0xffffffffu, v, src);
