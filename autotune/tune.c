@@ -535,6 +535,15 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
       r.tuned_us = row->tuned_us;
       r.prov = (m3_tune_provenance){rt->dev.name, rt->dev.sm_count, drv, nvv, cbv, th, PACKAGE_VERSION, date,
                                     o->command ? o->command : "m3kit tune"};
+      /* The code the chosen tile ran: the record outlives template edits
+       * that leave it unchanged (gen/code_hash.h). */
+      char ch[32] = "";
+      uint64_t code;
+      m3_err ce;
+      if (m3_render_code_hash(rt->jit.lua, &cands[j->first_cand + choose].v, &code, &ce) == M3_OK) {
+        snprintf(ch, sizeof ch, "%016llx", (unsigned long long)code);
+        r.prov.code_hash = ch;
+      }
       r.metric = (m3_tune_metric){unit, row->achieved, row->ceiling, row->pct};
       r.n_candidates = (size_t)j->n_cand;
       r.candidates = cs;

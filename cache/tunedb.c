@@ -221,7 +221,8 @@ m3_status m3_tune_record_check(const m3_tune_record *r, m3_err *e) {
                    r->key);
   const char *texts[] = {r->prov.gpu,           r->prov.driver_version, r->prov.nvrtc_version,
                          r->prov.cublas_version, r->prov.template_hash,  r->prov.m3kit_version,
-                         r->prov.date,           r->prov.command,        r->metric.unit};
+                         r->prov.date,           r->prov.command,        r->metric.unit,
+                         r->prov.code_hash};
   for (size_t i = 0; i < sizeof texts / sizeof *texts; i++)
     if (!text_ok(texts[i])) return m3_errf(e, M3_INVAL, "record '%s': a provenance/metric string is not UTF-8", r->key);
   for (int i = 0; i < r->bucket.ndims; i++)
@@ -266,7 +267,8 @@ static void record_free(m3_tune_record *r) {
   free((char *)r->default_tile);
   const char *p[] = {r->prov.gpu,          r->prov.driver_version, r->prov.nvrtc_version,
                      r->prov.cublas_version, r->prov.template_hash, r->prov.m3kit_version,
-                     r->prov.date,         r->prov.command,        r->metric.unit};
+                     r->prov.date,         r->prov.command,        r->metric.unit,
+                     r->prov.code_hash};
   for (size_t i = 0; i < sizeof p / sizeof *p; i++) free((char *)p[i]);
   for (size_t i = 0; i < r->n_candidates; i++) {
     free((char *)r->candidates[i].tile);
@@ -295,6 +297,7 @@ static m3_status record_copy(m3_tune_record *d, const m3_tune_record *s, m3_err 
   d->prov.m3kit_version = dup_or_null(s->prov.m3kit_version, &oom);
   d->prov.date = dup_or_null(s->prov.date, &oom);
   d->prov.command = dup_or_null(s->prov.command, &oom);
+  d->prov.code_hash = dup_or_null(s->prov.code_hash, &oom);
   d->metric.unit = dup_or_null(s->metric.unit, &oom);
   d->candidates = NULL;
   d->n_candidates = 0;
@@ -432,7 +435,8 @@ static const char *const rec_fields[] = {"key",        "bucket",   "arch",      
                                          "default_us", "tuned_us", "provenance", "metric", "candidates", NULL};
 static const char *const prov_fields[] = {"gpu",           "sm_count",      "driver_version",
                                           "nvrtc_version", "cublas_version", "template_hash",
-                                          "m3kit_version", "date",          "command",        NULL};
+                                          "m3kit_version", "date",          "command",
+                                          "code_hash",     NULL};
 static const char *const metric_fields[] = {"unit", "achieved", "ceiling", "pct_of_ceiling", NULL};
 static const char *const cand_fields[] = {"tile", "disposition", "reason", "median_us",
                                           "p20_us", "p80_us",    "n",      NULL};
@@ -539,7 +543,8 @@ static int parse_record(json_t *o, m3_tune_record *r, m3_tune_candidate **cands,
       get_str(prov, "cublas_version", 0, &r->prov.cublas_version, why, wn) ||
       get_str(prov, "template_hash", 1, &r->prov.template_hash, why, wn) ||
       get_str(prov, "m3kit_version", 0, &r->prov.m3kit_version, why, wn) ||
-      get_str(prov, "date", 0, &r->prov.date, why, wn) || get_str(prov, "command", 0, &r->prov.command, why, wn))
+      get_str(prov, "date", 0, &r->prov.date, why, wn) || get_str(prov, "command", 0, &r->prov.command, why, wn) ||
+      get_str(prov, "code_hash", 0, &r->prov.code_hash, why, wn))
     return -1;
   if (metric) {
     *unknown += count_unknown(metric, metric_fields);
@@ -673,11 +678,14 @@ static int is_stale(const m3_tune_record *r, int origin, const m3_tunedb_filter 
   if (f->driver_version && origin != ORIGIN_SEED &&
       (!r->prov.driver_version || strcmp(f->driver_version, r->prov.driver_version)))
     return ++ln->rep->stale_driver;
-  if (f->template_hash) {
+  /* The code hash, where the record has one, is the finer test: it passes a
+   * record through template edits that leave its tile's code unchanged. */
+  const int by_code = f->code_hash && r->prov.code_hash;
+  if (by_code || f->template_hash) {
     char name[160];
     template_name(r->key, name, sizeof name);
-    const char *h = f->template_hash(f->ctx, name);
-    if (!h || strcmp(h, r->prov.template_hash)) {
+    const char *h = by_code ? f->code_hash(f->ctx, r->key, r->tile, r->arch) : f->template_hash(f->ctx, name);
+    if (!h || strcmp(h, by_code ? r->prov.code_hash : r->prov.template_hash)) {
       if (!ln->first_stale_tpl[0]) snprintf(ln->first_stale_tpl, sizeof ln->first_stale_tpl, "%s", name);
       return ++ln->rep->stale_template;
     }
@@ -836,6 +844,7 @@ static json_t *record_to_json(const m3_tune_record *r) {
   if (r->prov.sm_count) bad |= json_object_set_new(p, "sm_count", json_integer(r->prov.sm_count));
   bad |= set_str(p, "driver_version", r->prov.driver_version) | set_str(p, "nvrtc_version", r->prov.nvrtc_version) |
          set_str(p, "cublas_version", r->prov.cublas_version) | set_str(p, "template_hash", r->prov.template_hash) |
+         set_str(p, "code_hash", r->prov.code_hash) |
          set_str(p, "m3kit_version", r->prov.m3kit_version) | set_str(p, "date", r->prov.date) |
          set_str(p, "command", r->prov.command);
   bad |= json_object_set(o, "provenance", p);
@@ -1377,11 +1386,11 @@ void m3_tunedb_print_record(const m3_tune_record *r, FILE *out) {
   if (!r || !out) return;
   char b[M3_BUCKET_STR_MAX];
   m3_bucket_format(&r->bucket, b, sizeof b);
-  fprintf(out, "%s  %s  %s\n  chosen %s, default %s; gpu %s (%d SMs), driver %s, nvrtc %s, template %s, %s\n",
+  fprintf(out, "%s  %s  %s\n  chosen %s, default %s; gpu %s (%d SMs), driver %s, nvrtc %s, template %s, code %s, %s\n",
           r->key, b, r->arch, r->tile, r->default_tile ? r->default_tile : "-", r->prov.gpu ? r->prov.gpu : "?",
           r->prov.sm_count, r->prov.driver_version ? r->prov.driver_version : "?",
           r->prov.nvrtc_version ? r->prov.nvrtc_version : "?", r->prov.template_hash,
-          r->prov.date ? r->prov.date : "?");
+          r->prov.code_hash ? r->prov.code_hash : "-", r->prov.date ? r->prov.date : "?");
   if (r->prov.command) fprintf(out, "  command: %s\n", r->prov.command);
   for (size_t i = 0; i < r->n_candidates; i++) {
     const m3_tune_candidate *c = &r->candidates[i];

@@ -154,6 +154,8 @@ typedef struct m3_tune_provenance {
   const char *m3kit_version;  /* PACKAGE_VERSION of the tuner */
   const char *date;           /* ISO 8601 UTC, "2025-01-31T12:34:56Z" */
   const char *command;        /* the command line that produced it */
+  const char *code_hash;      /* optional: m3_code_hash (gen/code_hash.h) of the chosen tile's rendered
+                               * code, hex; where present it, not template_hash, decides staleness */
 } m3_tune_provenance;
 
 typedef struct m3_tune_metric {
@@ -208,6 +210,11 @@ typedef struct m3_tunedb_filter {
   /* The current hash of template `name` (text of the key before '('), or NULL
    * when this build has no such template; a mismatch makes the record stale. */
   const char *(*template_hash)(void *ctx, const char *name);
+  /* The current code hash of (key, tile, arch), or NULL when it cannot be
+   * rendered (template gone, tile no longer valid).  Applied to records that
+   * carry provenance.code_hash, instead of template_hash: a record stays
+   * valid through template edits that leave the code of its tile unchanged. */
+  const char *(*code_hash)(void *ctx, const char *key, const char *tile, const char *arch);
   void *ctx;
 } m3_tunedb_filter;
 
@@ -217,7 +224,7 @@ typedef struct m3_tunedb_report {
   int from_seed;      /* ... of which came from the seed file */
   int stale_arch;     /* ignored: another arch */
   int stale_driver;   /* ignored: another driver version */
-  int stale_template; /* ignored: template hash changed or template unknown */
+  int stale_template; /* ignored: code (or, without a code hash, template) hash changed or template unknown */
   int invalid;        /* skipped: missing/ill-typed fields */
   int unknown_fields; /* tolerated unknown fields (soft) */
   int newer_files;    /* files ignored because their version > ours */

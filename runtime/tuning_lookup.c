@@ -23,6 +23,24 @@ const char *m3_tuning_template_hash(void *ctx, const char *name) {
   return h->buf;
 }
 
+const char *m3_tuning_code_hash(void *ctx, const char *key, const char *tile, const char *arch) {
+  m3_tuning_hash_ctx *h = ctx;
+  char full[M3_KEY_MAX + 320];
+  if (snprintf(full, sizeof full, "%s[%s]@%s", key, tile, arch) >= (int)sizeof full) return NULL;
+  m3_variant v;
+  m3_err e;
+  uint64_t c;
+  if (m3_render_parse_key(h->lua, full, &v, &e) != M3_OK || m3_render_code_hash(h->lua, &v, &c, &e) != M3_OK)
+    return NULL;
+  snprintf(h->buf, sizeof h->buf, "%016llx", (unsigned long long)c);
+  return h->buf;
+}
+
+void m3_tuning_filter_init(m3_tunedb_filter *f, m3_tuning_hash_ctx *hc, const char *arch, const char *driver_version) {
+  *f = (m3_tunedb_filter){.arch = arch, .driver_version = driver_version, .template_hash = m3_tuning_template_hash,
+                          .code_hash = m3_tuning_code_hash, .ctx = hc};
+}
+
 /* The seed DB: $M3KIT_SEED_DB, else the installed copy, else the source tree's. */
 const char *m3_tuning_seed_path(const char *arch, char *buf, size_t n) {
   const char *env = getenv("M3KIT_SEED_DB");
@@ -46,7 +64,8 @@ struct m3_tunedb *m3_tuning_open(const char *cache_root, const m3_device *dev, m
   snprintf(user, sizeof user, "%s/tuning/%s.json", cache_root, dev->arch);
   snprintf(drv, sizeof drv, "%d", dev->driver_version);
   m3_tuning_hash_ctx hc = {.lua = lua};
-  m3_tunedb_filter f = {.arch = dev->arch, .driver_version = drv, .template_hash = m3_tuning_template_hash, .ctx = &hc};
+  m3_tunedb_filter f;
+  m3_tuning_filter_init(&f, &hc, dev->arch, drv);
   m3_tunedb_report rep;
   m3_err e;
   memset(&rep, 0, sizeof rep);
@@ -86,9 +105,4 @@ int m3_tuning_lookup_checked(struct m3_tunedb *db, m3_lua *lua, const m3_variant
   if (m3_tunedb_lookup(db, k, key->arch, b, check_tile, &cc, &hit, &e) != M3_OK) return 0;
   snprintf(tile, n, "%s", hit.tile);
   return 1;
-}
-
-int m3_tuning_lookup(struct m3_tunedb *db, const m3_variant *key, const struct m3_bucket *b, char *tile, size_t n) {
-  (void)db; (void)key; (void)b; (void)tile; (void)n;
-  return 0; /* use m3_tuning_lookup_checked: a tile must pass valid() */
 }

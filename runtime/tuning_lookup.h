@@ -12,6 +12,7 @@
 #include "runtime/gpu.h"
 
 struct m3_tunedb;
+struct m3_tunedb_filter;
 struct m3_bucket;
 
 /* The seed DB (committed records, tuned on an H200) read under the user's
@@ -25,6 +26,15 @@ const char *m3_tuning_seed_path(const char *arch, char *buf, size_t n);
  * hash as 16 hex digits in ctx->buf, or NULL when `name` is no template. */
 typedef struct m3_tuning_hash_ctx { m3_lua *lua; char buf[32]; } m3_tuning_hash_ctx;
 const char *m3_tuning_template_hash(void *ctx, const char *name);
+/* The code-hash check (m3_tunedb_filter.code_hash), same ctx: the code hash
+ * (gen/render.h m3_render_code_hash) of `key` (axes only, as a record has it)
+ * with `tile` at `arch`, as 16 hex digits in ctx->buf, or NULL when that
+ * cannot be rendered any more (no such template, axis or tile value, or a
+ * tile valid() now refuses). */
+const char *m3_tuning_code_hash(void *ctx, const char *key, const char *tile, const char *arch);
+/* Both checks, as every reader of a tuning DB applies them. */
+void m3_tuning_filter_init(struct m3_tunedb_filter *f, m3_tuning_hash_ctx *hc, const char *arch,
+                           const char *driver_version);
 
 /* Never fails: an unreadable or stale DB is reported once and ignored. */
 struct m3_tunedb *m3_tuning_open(const char *cache_root, const m3_device *dev, m3_lua *lua);
@@ -35,7 +45,5 @@ void m3_tuning_close(struct m3_tunedb *db);
  * 0 means "use the template's default tile". */
 int m3_tuning_lookup_checked(struct m3_tunedb *db, m3_lua *lua, const m3_variant *key, const struct m3_bucket *b,
                              char *tile, size_t n);
-int m3_tuning_lookup(struct m3_tunedb *db, const m3_variant *key, const struct m3_bucket *b, char *tile,
-                     size_t n);
 
 #endif

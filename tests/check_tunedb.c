@@ -109,7 +109,8 @@ static void fill(recbuf *b, const char *key, const char *bucket, const char *til
                                    .template_hash = "abc123",
                                    .m3kit_version = "0.1.0",
                                    .date = "2025-01-31T12:34:56Z",
-                                   .command = "m3kit tune --op qknorm_rope \"--shape=tokens=1\""};
+                                   .command = "m3kit tune --op qknorm_rope \"--shape=tokens=1\"",
+                                   .code_hash = "0123456789abcdef"};
   b->r.metric = (m3_tune_metric){.unit = "GB/s", .achieved = 3210.5, .ceiling = 4020, .pct_of_ceiling = 79.86};
   b->c[0] = (m3_tune_candidate){.tile = tile, .disposition = M3_DISP_PASSED, .median_us = 12.25,
                                 .p20_us = 12.125, .p80_us = 12.5, .n_runs = 50};
@@ -166,6 +167,7 @@ static void assert_same_record(const m3_tune_record *a, const m3_tune_record *b)
   ck_assert(str_same(a->prov.m3kit_version, b->prov.m3kit_version));
   ck_assert(str_same(a->prov.date, b->prov.date));
   ck_assert(str_same(a->prov.command, b->prov.command));
+  ck_assert(str_same(a->prov.code_hash, b->prov.code_hash));
   ck_assert(str_same(a->metric.unit, b->metric.unit));
   ck_assert(num_same(a->metric.achieved, b->metric.achieved));
   ck_assert(num_same(a->metric.ceiling, b->metric.ceiling));
@@ -637,6 +639,53 @@ START_TEST(stale_records_ignored_with_one_message) {
 }
 END_TEST
 
+/* The code hashes of "this build": tile warps=2 of qknorm_rope renders to
+ * code c0de02, warps=4 to c0de04; other tiles no longer render. */
+static const char *code_of(void *ctx, const char *key, const char *tile, const char *arch) {
+  (void)ctx, (void)arch;
+  if (strncmp(key, "qknorm_rope(", 12)) return NULL;
+  if (!strcmp(tile, "warps=2")) return "c0de02";
+  if (!strcmp(tile, "warps=4")) return "c0de04";
+  return NULL;
+}
+#define REC_CODE(key, tile, hash, code)                                                                    \
+  "{\"key\": \"" key "\", \"bucket\": \"tokens=1\", \"arch\": \"sm_90\", \"tile\": \"" tile              \
+  "\", \"provenance\": {\"template_hash\": \"" hash "\", \"code_hash\": \"" code "\"}}"
+
+/* Where a record carries a code hash, that decides, not the template hash: a
+ * template edit that leaves the chosen tile's code alone keeps the record,
+ * one that changes it stales the record even if the template hash were to
+ * match; records without one keep the template-hash rule. */
+START_TEST(code_hash_decides_where_present) {
+  char *dir = tmpdir(), path[600];
+  snprintf(path, sizeof path, "%s/sm_90.json", dir);
+  const char *doc = DOC(1, REC_CODE("qknorm_rope(a=1)", "warps=2", "0ld0ld", "c0de02") ","  /* kept: same code */
+                           REC_CODE("qknorm_rope(a=2)", "warps=4", "abc123", "c0de02") ","  /* stale: its code changed */
+                           REC_CODE("qknorm_rope(a=3)", "warps=8", "abc123", "c0de08") ","  /* stale: no longer renders */
+                           REC("qknorm_rope(a=4)", "tokens=1", "sm_90", "warps=2", "550.54.15", "abc123") ","
+                           REC("qknorm_rope(a=5)", "tokens=1", "sm_90", "warps=2", "550.54.15", "0ld0ld"));
+  write_text(path, doc, strlen(doc));
+  m3_tunedb_filter f = {.arch = "sm_90", .template_hash = hash_of, .code_hash = code_of};
+  m3_tunedb_report rep;
+  m3_tunedb *db = load_ok(path, &f, &rep);
+  const m3_bucket t1 = B("tokens=1");
+  ck_assert_uint_eq(m3_tunedb_count(db), 2);
+  const m3_tune_record *kept = m3_tunedb_find(db, "qknorm_rope(a=1)", &t1, "sm_90");
+  ck_assert_ptr_nonnull(kept);
+  ck_assert_str_eq(kept->prov.code_hash, "c0de02");
+  ck_assert_ptr_nonnull(m3_tunedb_find(db, "qknorm_rope(a=4)", &t1, "sm_90"));
+  ck_assert_int_eq(rep.stale_template, 3);
+  m3_tunedb_free(db);
+  /* A reader without the code check (an older m3kit) applies the template rule to all. */
+  f.code_hash = NULL;
+  db = load_ok(path, &f, &rep);
+  ck_assert_uint_eq(m3_tunedb_count(db), 3);
+  ck_assert_int_eq(rep.stale_template, 2);
+  m3_tunedb_free(db);
+  rm_tree(dir);
+}
+END_TEST
+
 START_TEST(unknown_fields_tolerated_and_kept) {
   char *dir = tmpdir(), path[600];
   snprintf(path, sizeof path, "%s/sm_90.json", dir);
@@ -965,6 +1014,7 @@ int main(void) {
 
   TCase *load = tcase_create("load");
   tcase_add_test(load, stale_records_ignored_with_one_message);
+  tcase_add_test(load, code_hash_decides_where_present);
   tcase_add_test(load, unknown_fields_tolerated_and_kept);
   tcase_add_test(load, malformed_records_skipped_and_counted);
   tcase_add_test(load, newer_version_ignored_not_overwritten);

@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 
 #include "cache/tunedb.h"
+#include "gen/code_hash.h"
 #include "gen/render.h"
 #include "m3config.h"
 #include "runtime/tuning_lookup.h"
@@ -154,6 +155,81 @@ START_TEST(template_hash_covers_its_includes_only) {
 }
 END_TEST
 
+/* What the compiler ignores does not move the code hash; anything else does. */
+START_TEST(code_hash_ignores_comments_and_blanks) {
+  const char *base = "#define N 4\n__global__ void k(float *x) {\n  x[0] = N; /* one */\n  asm(\"mov.u32 %0,  1;\");\n}\n";
+  const char *same[] = {
+      "// a header comment\n#define N 4\n\n__global__  void\tk(float *x) {  \n x[0] = N;\n  asm(\"mov.u32 %0,  1;\"); // done\n}",
+      "#define N 4\n/* a block\n   comment */__global__ void k(float *x) {\nx[0] = N;   \n  asm(\"mov.u32 %0,  1;\");\n}\n\n\n",
+  };
+  const char *differ[] = {
+      "#define N 5\n__global__ void k(float *x) {\n  x[0] = N;\n  asm(\"mov.u32 %0,  1;\");\n}\n",   /* code */
+      "#define N 4 __global__ void k(float *x) {\n  x[0] = N;\n  asm(\"mov.u32 %0,  1;\");\n}\n",   /* a line break in a directive */
+      "#define N 4\n__global__ void k(float *x) {\n  x[0] = N;\n  asm(\"mov.u32 %0, 1;\");\n}\n",    /* inside a literal: kept as is */
+      "#define N 4\n__global__ void k(float *x) {\n  x[0] = N;\n  asm(\"mov.u32 %0,  1; // x\");\n}\n", /* '//' inside a literal is no comment */
+      "#define N 4\n__global__ void k(float *x) {\n  x[0]=N;\n  asm(\"mov.u32 %0,  1;\");\n}\n",     /* blanks removed, not collapsed */
+  };
+  const uint64_t h = m3_code_hash(base, strlen(base), NULL, 128, 0);
+  for (size_t i = 0; i < sizeof same / sizeof *same; i++)
+    ck_assert_msg(m3_code_hash(same[i], strlen(same[i]), NULL, 128, 0) == h, "same[%zu]", i);
+  for (size_t i = 0; i < sizeof differ / sizeof *differ; i++)
+    ck_assert_msg(m3_code_hash(differ[i], strlen(differ[i]), NULL, 128, 0) != h, "differ[%zu]", i);
+  ck_assert(m3_code_hash(base, strlen(base), NULL, 256, 0) != h); /* the launch too */
+  ck_assert(m3_code_hash(base, strlen(base), NULL, 128, 16) != h);
+  size_t n;
+  char *t = m3_code_normalise(same[1], strlen(same[1]), NULL, &n);
+  ck_assert_str_eq(t, "#define N 4\n__global__ void k(float *x) {\nx[0] = N;\nasm(\"mov.u32 %0,  1;\");\n}\n");
+  free(t);
+  /* The kernel's name (derived from the full key) is not code: renamed as an
+   * identifier only, never inside a longer one. */
+  const char *k1 = "__global__ void m3k_a_01(int *x) { m3k_a_01x(x); }\n";
+  const char *k2 = "__global__ void m3k_a_02(int *x) { m3k_a_01x(x); }\n";
+  ck_assert(m3_code_hash(k1, strlen(k1), "m3k_a_01", 32, 0) == m3_code_hash(k2, strlen(k2), "m3k_a_02", 32, 0));
+  ck_assert(m3_code_hash(k1, strlen(k1), NULL, 32, 0) != m3_code_hash(k2, strlen(k2), NULL, 32, 0));
+  t = m3_code_normalise(k1, strlen(k1), "m3k_a_01", &n);
+  ck_assert_str_eq(t, "__global__ void __m3_entry__(int *x) { m3k_a_01x(x); }\n");
+  free(t);
+}
+END_TEST
+
+/* A template edit stales exactly the tiles whose rendered code it changes:
+ * a Lua comment, a comment or blank in the CUDA text, or code emitted only
+ * for another tile leave a tile's code hash alone (tuning records keep it,
+ * docs/tuning-db.md), while its template hash changes every time. */
+#define TPL2(extra) "-- a template\nreturn {axes = {{'a', {1}}}, tiles = {{'t', {1, 2}}},\n" \
+  "  valid = function() return true end, default_tile = function() return {t = 1} end,\n" \
+  "  render = function(k, t, arch, sym) local s = 'extern \"C\" __global__ void ' .. sym .. '() {}\\n'\n" \
+  "    if t.t == 2 then s = s .. '" extra "' end\n" \
+  "    return {source = s, threads = 32, smem = 0} end}\n"
+static uint64_t code_of(const char *key) {
+  m3_lua *H;
+  m3_err e;
+  ck_assert_int_eq(m3_lua_open(&H, &e), M3_OK);
+  m3_variant v;
+  uint64_t c = 0;
+  ck_assert_msg(m3_render_parse_key(H, key, &v, &e) == M3_OK && m3_render_code_hash(H, &v, &c, &e) == M3_OK, "%s",
+                e.msg);
+  m3_lua_close(H);
+  return c;
+}
+START_TEST(code_hash_stales_only_changed_tiles) {
+  char dir[] = "/tmp/m3tplXXXXXX";
+  ck_assert_ptr_nonnull(mkdtemp(dir));
+  setenv("M3KIT_TEMPLATE_DIR", dir, 1);
+  put(dir, "t.lua", TPL2("/* two */ __device__ int two;"));
+  const uint64_t th = hash_of("t"), c1 = code_of("t(a=1)[t=1]@sm_90"), c2 = code_of("t(a=1)[t=2]@sm_90");
+  ck_assert(c1 != c2);
+  put(dir, "t.lua", "-- edited\n" TPL2("/* 2 */  __device__  int two;"));
+  ck_assert(hash_of("t") != th);
+  ck_assert(code_of("t(a=1)[t=1]@sm_90") == c1);
+  ck_assert(code_of("t(a=1)[t=2]@sm_90") == c2);
+  put(dir, "t.lua", TPL2("__device__ int two, three;"));
+  ck_assert(code_of("t(a=1)[t=1]@sm_90") == c1);
+  ck_assert(code_of("t(a=1)[t=2]@sm_90") != c2);
+  unsetenv("M3KIT_TEMPLATE_DIR");
+}
+END_TEST
+
 START_TEST(template_errors_name_file_and_line) {
   char dir[] = "/tmp/m3tplXXXXXX";
   ck_assert_ptr_nonnull(mkdtemp(dir));
@@ -194,7 +270,8 @@ START_TEST(seed_db_matches_the_templates) {
   m3_tunedb *db = m3_tunedb_new();
   ck_assert_ptr_nonnull(db);
   m3_tuning_hash_ctx hc = {.lua = L};
-  m3_tunedb_filter f = {.arch = "sm_90", .template_hash = m3_tuning_template_hash, .ctx = &hc};
+  m3_tunedb_filter f;
+  m3_tuning_filter_init(&f, &hc, "sm_90", NULL);
   m3_tunedb_report rep;
   memset(&rep, 0, sizeof rep);
   m3_err e;
@@ -202,6 +279,13 @@ START_TEST(seed_db_matches_the_templates) {
   ck_assert_msg(m3_tunedb_load(db, path, NULL, &f, &rep, &e) == M3_OK, "%s", e.msg);
   ck_assert_msg(rep.stale_template == 0 && rep.invalid == 0, "%s: %s", path, rep.summary);
   ck_assert_int_gt(rep.loaded, 100);
+  /* Every seed record names the code it timed, so that template edits which
+   * leave that code alone (comments, other tiles) do not stale it. */
+  for (size_t i = 0; i < m3_tunedb_count(db); i++) {
+    const m3_tune_record *r = m3_tunedb_get(db, i);
+    ck_assert_msg(r->prov.code_hash != NULL, "%s: record %s [%s] has no code_hash (m3kit tune --rehash --db %s)",
+                  path, r->key, r->tile, path);
+  }
   m3_tunedb_free(db);
 }
 END_TEST
@@ -217,6 +301,8 @@ int main(void) {
   tcase_add_test(tc, default_tile_and_tile_space);
   tcase_add_test(tc, template_errors_name_file_and_line);
   tcase_add_test(tc, template_hash_covers_its_includes_only);
+  tcase_add_test(tc, code_hash_ignores_comments_and_blanks);
+  tcase_add_test(tc, code_hash_stales_only_changed_tiles);
   tcase_add_test(tc, seed_db_matches_the_templates);
   suite_add_tcase(s, tc);
   SRunner *sr = srunner_create(s);

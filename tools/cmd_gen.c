@@ -8,6 +8,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cache/store.h"
 #include "gen/render.h"
 #include "runtime/jit.h"
 #include "runtime/log.h"
@@ -21,7 +22,8 @@ static void help(void) {
       "  --list                 list every variant key the model needs (default action)\n"
       "  --templates            list the embedded templates with their axes and tile spaces\n"
       "  --emit KEY             print the generated CUDA source of KEY (default tile unless KEY has one)\n"
-      "  --compile KEY          compile KEY and report cubin size, registers, spills\n"
+      "  --compile KEY          compile KEY and report its code hash, cubin size, registers, spills\n"
+      "  --cubin FILE           with --compile: also write the cubin to FILE (for cuobjdump -sass)\n"
       "  --tiles KEY            list every tile of KEY with its valid() verdict and reason\n"
       "  --all                  render and compile every needed variant (default tiles) for --arch,\n"
       "                         through the cubin cache; with --every-tile, every valid tile too\n"
@@ -70,10 +72,10 @@ int cmd_gen(int argc, char **argv) {
       {"tiles", required_argument, 0, 't'}, {"all", no_argument, 0, 'a'},
       {"every-tile", no_argument, 0, 'E'},  {"arch", required_argument, 0, 'A'},
       {"preset", required_argument, 0, 'p'},{"model", required_argument, 0, 'm'},
-      {"jobs", required_argument, 0, 'j'},
+      {"jobs", required_argument, 0, 'j'},  {"cubin", required_argument, 0, 'C'},
       {"help", no_argument, 0, 'h'},        {0, 0, 0, 0}};
   int action = 'l', chosen = 0, every = 0, c, jobs_n = (int)sysconf(_SC_NPROCESSORS_ONLN);
-  const char *key = NULL, *archs = "sm_90", *preset = "minimax-m3", *model = NULL;
+  const char *key = NULL, *archs = "sm_90", *preset = "minimax-m3", *model = NULL, *cubin_out = NULL;
   optind = 1;
   while ((c = getopt_long(argc, argv, "hj:", opts, NULL)) != -1) {
     switch (c) {
@@ -86,6 +88,7 @@ int cmd_gen(int argc, char **argv) {
         if (c == 'e' || c == 'c' || c == 't') key = optarg;
         break;
       case 'E': every = 1; break;
+      case 'C': cubin_out = optarg; break;
       case 'A': archs = optarg; break;
       case 'p': preset = optarg; break;
       case 'm': model = optarg; break;
@@ -105,6 +108,10 @@ int cmd_gen(int argc, char **argv) {
   }
   if (every && action != 'a') {
     fprintf(stderr, "m3kit gen: --every-tile goes with --all\n");
+    return 2;
+  }
+  if (cubin_out && action != 'c') {
+    fprintf(stderr, "m3kit gen: --cubin goes with --compile\n");
     return 2;
   }
   /* Every arch of the list is checked before any template runs. */
@@ -163,9 +170,11 @@ int cmd_gen(int argc, char **argv) {
         else {
           char k[M3_KEY_MAX];
           m3_variant_print(&v, k, sizeof k);
-          printf("%s\n  entry %s, %d threads, %d B dynamic smem, cubin %zu bytes (%s, %.2f s)\n", k,
-                 cb.meta.entry, cb.meta.threads, cb.meta.smem, cb.size, cb.hit ? "cache hit" : "compiled",
-                 now_s() - t0);
+          printf("%s\n  entry %s, %d threads, %d B dynamic smem, code hash %016llx, cubin %zu bytes (%s, %.2f s)\n",
+                 k, cb.meta.entry, cb.meta.threads, cb.meta.smem, (unsigned long long)src.code_hash, cb.size,
+                 cb.hit ? "cache hit" : "compiled", now_s() - t0);
+          if (cubin_out && (s = m3_write_atomic(cubin_out, cb.data, cb.size, &e)) != M3_OK) rc = cli_fail("gen", s, &e);
+          else if (cubin_out) printf("  wrote %s (cuobjdump -sass %s shows the machine code)\n", cubin_out, cubin_out);
           inspect(&src, v.arch);
           m3_cubin_free(&cb);
         }

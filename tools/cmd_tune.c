@@ -30,7 +30,10 @@ static void help(void) {
          "  --db FILE          write this DB file instead of the cache's\n"
          "  --show             print the tuning DB of this GPU's arch (or --arch) and exit\n"
          "  --plot DIR         write PNG plots (gnuplot) of time against tile and exit\n"
-         "  --arch SM          arch for --show/--plot without a GPU (default: the GPU's, else sm_90)\n");
+         "  --arch SM          arch for --show/--plot/--rehash without a GPU (default: the GPU's, else sm_90)\n"
+         "  --rehash           give every record of the DB (or --db FILE) whose template is unchanged the\n"
+         "                     code hash of its tile, so that later template edits that leave that code\n"
+         "                     alone keep it valid (records tuned before code hashes existed); no GPU\n");
   printf("\nkernel families (one adapter each, autotune/ops_table.c; kv_insert and fill are never\n"
          "looked up by shape at run time, so they have no shapes to tune):\n ");
   int col = 1;
@@ -67,17 +70,64 @@ static int run_gnuplot(const char *dir, int n) {
   return 0;
 }
 
-static int show_or_plot(const char *arch, const char *plot_dir, const char *db_path) {
+/* The DB file --show, --plot and --rehash work on: --db FILE (which must be
+ * readable), else the cache's for arch.  Nonzero (reported) on failure. */
+static int db_file(const char *arch, const char *db_path, char *path, size_t n) {
   m3_err e;
-  char path[4200];
   if (db_path) {
     if (access(db_path, R_OK) != 0) {
       fprintf(stderr, "m3kit tune: --db %s: cannot read it\n", db_path);
       return 1;
     }
-    snprintf(path, sizeof path, "%s", db_path);
+    snprintf(path, n, "%s", db_path);
+    return 0;
   }
-  else if (m3_tunedb_path(arch, path, sizeof path, &e) != M3_OK) return cli_fail("tune", e.code, &e);
+  return m3_tunedb_path(arch, path, n, &e) != M3_OK ? cli_fail("tune", e.code, &e) : 0;
+}
+
+/* --rehash: the records whose template hash is current get the code hash of
+ * their tile (which that template text renders, so it is the code they were
+ * timed with); the others are left on disk as they are. */
+static int rehash(const char *arch, const char *db_path) {
+  char path[4200];
+  if (db_file(arch, db_path, path, sizeof path)) return 1;
+  m3_lua *L;
+  m3_err e;
+  if (m3_lua_open(&L, &e) != M3_OK) return cli_fail("tune", e.code, &e);
+  m3_tuning_hash_ctx th = {.lua = L}, ch = {.lua = L};
+  m3_tunedb_filter f = {.template_hash = m3_tuning_template_hash, .ctx = &th};
+  m3_tunedb *db = m3_tunedb_new(), *out = m3_tunedb_new();
+  m3_tunedb_report rep;
+  memset(&rep, 0, sizeof rep);
+  m3_status s = db && out ? m3_tunedb_load(db, path, NULL, &f, &rep, &e) : m3_errf(&e, M3_NOMEM, "tuning DB");
+  int given = 0, failed = 0;
+  for (size_t i = 0; s == M3_OK && i < m3_tunedb_count(db); i++) {
+    m3_tune_record r = *m3_tunedb_get(db, i);
+    r.prov.code_hash = m3_tuning_code_hash(&ch, r.key, r.tile, r.arch);
+    if (!r.prov.code_hash) {
+      fprintf(stderr, "m3kit tune: %s: record %s [%s] @%s cannot be rendered; left as it is\n", path, r.key, r.tile,
+              r.arch);
+      failed++;
+      continue;
+    }
+    s = m3_tunedb_put(out, &r, &e);
+    given += s == M3_OK;
+  }
+  m3_tunedb_report wr;
+  if (s == M3_OK && given) s = m3_tunedb_save_merge(path, out, &wr, &e);
+  m3_tunedb_free(db);
+  m3_tunedb_free(out);
+  m3_lua_close(L);
+  if (s != M3_OK) return cli_fail("tune", s, &e);
+  printf("%s: %d records carry their code hash now; %d with a changed template left as they were%s\n", path, given,
+         rep.stale_template, failed ? " (and some that no longer render: see above)" : "");
+  return failed != 0;
+}
+
+static int show_or_plot(const char *arch, const char *plot_dir, const char *db_path) {
+  m3_err e;
+  char path[4200];
+  if (db_file(arch, db_path, path, sizeof path)) return 1;
   m3_tunedb *db = m3_tunedb_new();
   m3_tunedb_report rep;
   memset(&rep, 0, sizeof rep);
@@ -131,9 +181,10 @@ int cmd_tune(int argc, char **argv) {
                                        {"budget", required_argument, 0, 'b'}, {"reps", required_argument, 0, 'r'},
                                        {"db", required_argument, 0, 'd'},     {"show", no_argument, 0, 'S'},
                                        {"plot", required_argument, 0, 'P'},   {"arch", required_argument, 0, 'a'},
-                                       {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
+                                       {"rehash", no_argument, 0, 'R'},       {"help", no_argument, 0, 'h'},
+                                       {0, 0, 0, 0}};
   m3_tune_opts o = {.preset = "minimax-m3", .progress = stderr};
-  int show = 0, c;
+  int show = 0, do_rehash = 0, c;
   const char *plot = NULL, *arch = NULL;
   char cmdline[1024] = "m3kit";
   for (int i = 0; i < argc; i++) {
@@ -162,6 +213,7 @@ int cmd_tune(int argc, char **argv) {
       }
       case 'd': o.db_path = optarg; break;
       case 'S': show = 1; break;
+      case 'R': do_rehash = 1; break;
       case 'P': plot = optarg; break;
       case 'a':
         if (!m3_arch_valid(optarg)) {
@@ -189,10 +241,11 @@ int cmd_tune(int argc, char **argv) {
     }
     p = c ? c + 1 : p + strlen(p);
   }
-  if (show || plot) {
+  if (show || plot || do_rehash) {
     m3_device d;
     m3_err e;
     if (!arch && m3_gpu_count() > 0 && m3_device_open(0, &d, &e) == M3_OK) arch = d.arch;
+    if (do_rehash) return rehash(arch ? arch : "sm_90", o.db_path);
     return show_or_plot(arch ? arch : "sm_90", plot, o.db_path);
   }
   if (m3_gpu_count() == 0) {

@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""rekey.py DB OLD_TEMPLATE_DIR [--m3kit PATH] [--dry-run] - carry tuning records across a template
+edit that did not change the machine code they timed.
+
+A record is kept by the runtime while the code hash of its tile matches (docs/tuning-db.md).  Some
+edits change the source of a tile without changing what it compiles to: a refactor, or a new tile
+axis whose first value emits the old code.  For every record of DB that was current under
+OLD_TEMPLATE_DIR (a copy of templates/ before the edit, e.g. `git worktree add /tmp/old HEAD~1`) and
+is stale under the templates m3kit embeds now, this renders the same tile - completed with each
+combination of values of the tile axes the edit added - with the new templates; where its code hash
+is the record's (the same source but for comments, blanks and the kernel's name), or else where
+the two compile (NVRTC, no GPU) to cubins that are byte for byte the same apart from
+the kernel's name (every ELF section but the symbol and name tables: instructions, register and
+parameter metadata, constants, relocations) re-keys the record: tile (and its candidates'
+and default's) completed, template_hash and code_hash of the new rendering, a note appended to
+provenance.command.  Records whose code did change are left stale: they need `m3kit tune`.
+DB is rewritten in the seed's layout (tools/seed_merge.py) through a temporary file and a rename.
+"""
+import itertools, json, os, re, struct, subprocess, sys, tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run(cmd, env=None):
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if p.returncode:
+        raise RuntimeError('%s: %s' % (' '.join(cmd), (p.stderr or p.stdout).strip()))
+    return p.stdout
+
+
+def schemas(m3kit, env):
+    """{template: (template hash, [(tile axis, [values])])} from `m3kit gen --templates`."""
+    out, cur = {}, None
+    for line in run([m3kit, 'gen', '--templates'], env).splitlines():
+        m = re.match(r'(\w+)\s+\(template hash ([0-9a-f]+)\)', line)
+        if m:
+            cur = m.group(1)
+            out[cur] = (m.group(2), [])
+        elif cur and line.strip().startswith('tiles:'):
+            for f in line.split()[1:]:
+                name, vals = f.split('=', 1)
+                out[cur][1].append((name, vals.split('|')))
+    return out
+
+
+def tile_dict(tile):
+    return dict(f.split('=', 1) for f in tile.split(',') if f)
+
+
+def tile_text(d, axes):
+    return ','.join('%s=%s' % (a, d[a]) for a, _ in axes)
+
+
+def code_hash(m3kit, env, full):
+    """The code hash of a full key, or None when it does not render (no such axis, invalid tile)."""
+    try:
+        head = run([m3kit, 'gen', '--emit', full], env).split('\n', 1)[0]
+    except RuntimeError:
+        return None
+    m = re.search(r'code hash ([0-9a-f]{16})', head)
+    return m.group(1) if m else None
+
+
+def elf_sections(data):
+    """[(name, type, bytes)] of an ELF64 little-endian file (a cubin)."""
+    shoff, = struct.unpack_from('<Q', data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from('<HHH', data, 0x3a)
+    hdrs = [struct.unpack_from('<IIQQQQIIQQ', data, shoff + i * shentsize) for i in range(shnum)]
+    strtab = hdrs[shstrndx]
+    names = data[strtab[4]:strtab[4] + strtab[5]]
+    out = []
+    for h in hdrs:
+        name = names[h[0]:names.index(b'\0', h[0])].decode()
+        body = b'' if h[1] == 8 else data[h[4]:h[4] + h[5]]  # SHT_NOBITS holds no bytes, only its size
+        out.append((name, h[1], h[5], body))
+    return out
+
+
+def machine_code(m3kit, env, full, tmp):
+    """The key's cubin, section by section, without the symbol and name tables and the debug
+    sections (line tables, the PTX text, which name source lines): instructions, kernel
+    metadata (registers, parameters, shared memory), constants and relocations, byte for byte, under
+    section names with the kernel's own name (which encodes the tile) replaced."""
+    out = run([m3kit, 'gen', '--compile', full, '--cubin', tmp], env)
+    entry = re.search(r'entry (\S+),', out).group(1)
+    with open(tmp, 'rb') as f:
+        secs = elf_sections(f.read())
+    debug = ('.debug', '.nv_debug', '.rela.debug', '.rela.nv_debug')  # line tables, PTX text: not executed
+    return sorted((n.replace(entry, 'ENTRY'), t, size, body) for n, t, size, body in secs
+                  if n not in ('.symtab', '.strtab', '.shstrtab', '') and not n.startswith(debug))
+
+
+def main():
+    args = sys.argv[1:]
+    m3kit, dry = 'm3kit', '--dry-run' in args
+    if dry:
+        args.remove('--dry-run')
+    if '--m3kit' in args:
+        i = args.index('--m3kit'); m3kit = args[i + 1]; del args[i:i + 2]
+    if len(args) != 2:
+        sys.exit(__doc__)
+    db_path, old_dir = args
+    env_new = {k: v for k, v in os.environ.items() if k != 'M3KIT_TEMPLATE_DIR'}
+    env_old = dict(env_new, M3KIT_TEMPLATE_DIR=os.path.abspath(old_dir))
+    for e in (env_new, env_old):  # compiles go to a private cubin cache, never the user's
+        e['M3KIT_CACHE_DIR'] = os.path.join(tempfile.gettempdir(), 'm3kit-rekey-cache')
+    new, old = schemas(m3kit, env_new), schemas(m3kit, env_old)
+    d = json.load(open(db_path))
+    tmp = os.path.join(tempfile.mkdtemp(prefix='m3rekey'), 'k.cubin')
+    counts = {'current': 0, 'rekeyed': 0, 'changed': 0, 'was stale': 0}
+    for r in d['records']:
+        name = r['key'].split('(', 1)[0]
+        full = '%s[%s]@%s' % (r['key'], r['tile'], r['arch'])
+        prov = r['provenance']
+
+        def current(env, schema):  # the runtime's rule (docs/tuning-db.md)
+            if name not in schema:
+                return False
+            if 'code_hash' in prov:
+                return code_hash(m3kit, env, full) == prov['code_hash']
+            return prov['template_hash'] == schema[name][0]
+        if current(env_new, new):
+            counts['current'] += 1
+            continue
+        if name not in new or not current(env_old, old):
+            counts['was stale'] += 1
+            continue
+        have = tile_dict(r['tile'])
+        axes = new[name][1]
+        missing = [(a, v) for a, v in axes if a not in have]
+        if any(a not in dict(axes) for a in have):
+            counts['changed'] += 1  # an axis was removed: no tile of the new space is this one
+            print('changed: %s [%s] (a tile axis is gone)' % (r['key'], r['tile']))
+            continue
+        old_code = prov.get('code_hash') or code_hash(m3kit, env_old, full)
+        ref = None
+        done = False
+        for combo in itertools.product(*[v for _, v in missing]):
+            add = dict(zip([a for a, _ in missing], combo))
+            tile = tile_text(dict(have, **add), axes)
+            full_new = '%s[%s]@%s' % (r['key'], tile, r['arch'])
+            new_code = code_hash(m3kit, env_new, full_new)
+            if new_code is None:
+                continue
+            if new_code != old_code:  # other source: is it other machine code?
+                try:
+                    ref = ref or machine_code(m3kit, env_old, full, tmp)
+                    if machine_code(m3kit, env_new, full_new, tmp) != ref:
+                        continue
+                except RuntimeError:
+                    continue
+            def complete(t):
+                return tile_text(dict(tile_dict(t), **{a: v for a, v in add.items() if a not in tile_dict(t)}), axes)
+            old_tile, r['tile'] = r['tile'], tile
+            if r.get('default_tile'):
+                r['default_tile'] = complete(r['default_tile'])
+            for c in r.get('candidates', []):
+                c['tile'] = complete(c['tile'])
+            prov['template_hash'] = new[name][0]
+            prov['code_hash'] = new_code
+            how = 'same code' if new_code == old_code else 'same machine code'
+            prov['command'] = prov.get('command', '') + ' (re-keyed by tools/rekey.py: %s after a template edit)' % how
+            counts['rekeyed'] += 1
+            print('re-keyed (%s): %s [%s] -> [%s]' % (how, r['key'], old_tile, tile))
+            done = True
+            break
+        if not done:
+            counts['changed'] += 1
+            print('changed: %s [%s] (its code differs: re-tune it)' % (r['key'], r['tile']))
+    print('%s: %s' % (db_path, ', '.join('%d %s' % (n, k) for k, n in counts.items())))
+    if dry or not counts['rekeyed']:
+        return
+    fd, t = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(db_path)), prefix='.rekey.')
+    with os.fdopen(fd, 'w') as f:
+        json.dump(d, f)
+    run([sys.executable, os.path.join(HERE, 'seed_merge.py'), t])
+    os.replace(t, db_path)
+
+
+if __name__ == '__main__':
+    main()
