@@ -13,6 +13,7 @@
 #include "autotune/op.h"
 #include "cache/store.h"
 #include "cache/tunedb.h"
+#include "gen/code_hash.h"
 #include "runtime/check.h"
 #include "runtime/harness.h"
 #include "runtime/log.h"
@@ -537,11 +538,11 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
                                     o->command ? o->command : "m3kit tune"};
       /* The code the chosen tile ran: the record outlives template edits
        * that leave it unchanged (gen/code_hash.h). */
-      char ch[32] = "";
+      char ch[M3_CODE_HASH_TEXT] = "";
       uint64_t code;
       m3_err ce;
       if (m3_render_code_hash(rt->jit.lua, &cands[j->first_cand + choose].v, &code, &ce) == M3_OK) {
-        snprintf(ch, sizeof ch, "%016llx", (unsigned long long)code);
+        m3_code_hash_text(code, ch, sizeof ch);
         r.prov.code_hash = ch;
       }
       r.metric = (m3_tune_metric){unit, row->achieved, row->ceiling, row->pct};

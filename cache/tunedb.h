@@ -215,6 +215,10 @@ typedef struct m3_tunedb_filter {
    * carry provenance.code_hash, instead of template_hash: a record stays
    * valid through template edits that leave the code of its tile unchanged. */
   const char *(*code_hash)(void *ctx, const char *key, const char *tile, const char *arch);
+  /* The scheme prefix code_hash returns ("c1:", gen/code_hash.h).  A record
+   * whose code hash has another scheme (hashed by another m3kit's
+   * normalisation) is judged by its template hash instead. */
+  const char *code_scheme;
   void *ctx;
 } m3_tunedb_filter;
 
@@ -265,6 +269,19 @@ m3_status m3_tunedb_save_merge(const char *path, const m3_tunedb *db,
                                m3_tunedb_report *rep, m3_err *e);
 
 /* Iteration, in insertion order (for the CLI and tests). */
+/* Give the records of the DB file `path` that have no code hash of
+ * f->code_scheme and whose template hash is current (f->template_hash) the
+ * code hash of their tile (f->code_hash): what that template text renders is
+ * the code they timed.  Read, edit and publish happen under the file's lock
+ * (as save_merge), editing the JSON in place: record order, other records,
+ * unknown fields stay as they were.  *given: records given a hash; *left:
+ * records without a current one left as they were (changed template, a tile
+ * that no longer renders); either may be NULL.  The file is rewritten only
+ * when *given > 0.  Errors: M3_NOTFOUND (no file), M3_FORMAT (garbled: not
+ * touched), M3_UNSUPPORTED (newer version), M3_INVAL (f lacks a callback),
+ * M3_IO. */
+m3_status m3_tunedb_add_code_hashes(const char *path, const m3_tunedb_filter *f, int *given, int *left, m3_err *e);
+
 size_t m3_tunedb_count(const m3_tunedb *db);
 const m3_tune_record *m3_tunedb_get(const m3_tunedb *db, size_t i);
 /* The record with exactly this identity, or NULL. */

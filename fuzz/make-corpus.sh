@@ -20,7 +20,7 @@ make -C "$B" -s tests/st_dump fuzz/make_seeds >/dev/null
 T=$(mktemp -d "${TMPDIR:-/tmp}/m3corpus.XXXXXX")
 trap 'rm -rf "$T"' EXIT
 export M3KIT_CACHE_DIR="$T/cache"
-for h in safetensors st_index config tunedb cubin variant; do mkdir -p "$OUT/$h"; done
+for h in safetensors st_index config tunedb cubin variant code_hash; do mkdir -p "$OUT/$h"; done
 
 # Checkpoint: the tiny preset cut to 4 layers (3 dense + 1 sparse/MoE), 2 shards.
 "$B/tests/st_dump" write "$T/ckpt" --layers 4 --shards 2 --seed 7
@@ -48,7 +48,12 @@ k=$("$B/m3kit" gen --list --preset minimax-m3 | grep '^qknorm_rope(' | tail -1)
 printf '%s[warps=4,hpw=1,lph=32]@sm_90' "$k" > "$OUT/variant/key-tile-arch"
 printf '%s@sm_100a' "$k" > "$OUT/variant/key-arch-only"
 
+# Kernel sources: small rendered templates (the normaliser's real input) and
+# the C corners it must lex (splices, raw strings, digit separators).
+"$B/m3kit" gen --emit "$k[warps=4,hpw=1,lph=32]@sm_90" | tail -n 60 > "$OUT/code_hash/qknorm-tail.cu"
+printf 'auto s = R"x(a" // b\\\n)x"; int n = 1'"'"'000; // c \\\nx = 1;\n#define A 1 /*\n*/ B\n' > "$OUT/code_hash/corners.cu"
+
 du -sh "$OUT"
-for h in safetensors st_index config tunedb cubin variant; do
+for h in safetensors st_index config tunedb cubin variant code_hash; do
   printf '%-12s %3d files\n' "$h" "$(ls "$OUT/$h" | wc -l)"
 done

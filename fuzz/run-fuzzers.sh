@@ -5,7 +5,7 @@
 #
 #   fuzz/run-fuzzers.sh BUILD_DIR WORK_DIR [RUNS [SECONDS [JOBS [NAME...]]]]
 #
-# Each NAME (default: all six) runs until RUNS executions (default 1000000)
+# Each NAME (default: all seven) runs until RUNS executions (default 1000000)
 # or SECONDS of wall time (default 1800), whichever comes first, JOBS at a
 # time (default 2: the CI machine has two cores; put the slowest first).  New inputs go to
 # WORK_DIR/corpus/NAME (seeded from fuzz/corpus/NAME, which is only read),
@@ -21,7 +21,7 @@ RUNS=${3:-1000000}
 SECS=${4:-1800}
 JOBS=${5:-2}
 shift $(( $# < 5 ? $# : 5 ))
-NAMES=${*:-safetensors st_index config tunedb cubin variant}
+NAMES=${*:-safetensors st_index config tunedb cubin variant code_hash}
 SRC=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$W/corpus"
 W=$(cd "$W" && pwd)

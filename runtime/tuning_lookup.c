@@ -11,6 +11,7 @@
 
 #include "cache/tunedb.h"
 #include "m3config.h"
+#include "gen/code_hash.h"
 #include "gen/render.h"
 #include "runtime/log.h"
 
@@ -32,13 +33,13 @@ const char *m3_tuning_code_hash(void *ctx, const char *key, const char *tile, co
   uint64_t c;
   if (m3_render_parse_key(h->lua, full, &v, &e) != M3_OK || m3_render_code_hash(h->lua, &v, &c, &e) != M3_OK)
     return NULL;
-  snprintf(h->buf, sizeof h->buf, "%016llx", (unsigned long long)c);
+  m3_code_hash_text(c, h->buf, sizeof h->buf);
   return h->buf;
 }
 
 void m3_tuning_filter_init(m3_tunedb_filter *f, m3_tuning_hash_ctx *hc, const char *arch, const char *driver_version) {
   *f = (m3_tunedb_filter){.arch = arch, .driver_version = driver_version, .template_hash = m3_tuning_template_hash,
-                          .code_hash = m3_tuning_code_hash, .ctx = hc};
+                          .code_hash = m3_tuning_code_hash, .code_scheme = M3_CODE_HASH_SCHEME, .ctx = hc};
 }
 
 /* The seed DB: $M3KIT_SEED_DB, else the installed copy, else the source tree's. */

@@ -644,8 +644,8 @@ END_TEST
 static const char *code_of(void *ctx, const char *key, const char *tile, const char *arch) {
   (void)ctx, (void)arch;
   if (strncmp(key, "qknorm_rope(", 12)) return NULL;
-  if (!strcmp(tile, "warps=2")) return "c0de02";
-  if (!strcmp(tile, "warps=4")) return "c0de04";
+  if (!strcmp(tile, "warps=2")) return "c1:c0de02";
+  if (!strcmp(tile, "warps=4")) return "c1:c0de04";
   return NULL;
 }
 #define REC_CODE(key, tile, hash, code)                                                                    \
@@ -659,29 +659,80 @@ static const char *code_of(void *ctx, const char *key, const char *tile, const c
 START_TEST(code_hash_decides_where_present) {
   char *dir = tmpdir(), path[600];
   snprintf(path, sizeof path, "%s/sm_90.json", dir);
-  const char *doc = DOC(1, REC_CODE("qknorm_rope(a=1)", "warps=2", "0ld0ld", "c0de02") ","  /* kept: same code */
-                           REC_CODE("qknorm_rope(a=2)", "warps=4", "abc123", "c0de02") ","  /* stale: its code changed */
-                           REC_CODE("qknorm_rope(a=3)", "warps=8", "abc123", "c0de08") ","  /* stale: no longer renders */
+  const char *doc = DOC(1, REC_CODE("qknorm_rope(a=1)", "warps=2", "0ld0ld", "c1:c0de02") ","  /* kept: same code */
+                           REC_CODE("qknorm_rope(a=2)", "warps=4", "abc123", "c1:c0de02") ","  /* stale: its code changed */
+                           REC_CODE("qknorm_rope(a=3)", "warps=8", "abc123", "c1:c0de08") ","  /* stale: no longer renders */
                            REC("qknorm_rope(a=4)", "tokens=1", "sm_90", "warps=2", "550.54.15", "abc123") ","
-                           REC("qknorm_rope(a=5)", "tokens=1", "sm_90", "warps=2", "550.54.15", "0ld0ld"));
+                           REC("qknorm_rope(a=5)", "tokens=1", "sm_90", "warps=2", "550.54.15", "0ld0ld") ","
+                           /* another scheme's hash: the template rule (current here) */
+                           REC_CODE("qknorm_rope(a=6)", "warps=2", "abc123", "c0:0123") ","
+                           REC_CODE("qknorm_rope(a=7)", "warps=2", "0ld0ld", "c0:0123"));
   write_text(path, doc, strlen(doc));
-  m3_tunedb_filter f = {.arch = "sm_90", .template_hash = hash_of, .code_hash = code_of};
+  m3_tunedb_filter f = {.arch = "sm_90", .template_hash = hash_of, .code_hash = code_of, .code_scheme = "c1:"};
   m3_tunedb_report rep;
   m3_tunedb *db = load_ok(path, &f, &rep);
   const m3_bucket t1 = B("tokens=1");
-  ck_assert_uint_eq(m3_tunedb_count(db), 2);
+  ck_assert_uint_eq(m3_tunedb_count(db), 3);
   const m3_tune_record *kept = m3_tunedb_find(db, "qknorm_rope(a=1)", &t1, "sm_90");
   ck_assert_ptr_nonnull(kept);
-  ck_assert_str_eq(kept->prov.code_hash, "c0de02");
+  ck_assert_str_eq(kept->prov.code_hash, "c1:c0de02");
   ck_assert_ptr_nonnull(m3_tunedb_find(db, "qknorm_rope(a=4)", &t1, "sm_90"));
-  ck_assert_int_eq(rep.stale_template, 3);
+  ck_assert_ptr_nonnull(m3_tunedb_find(db, "qknorm_rope(a=6)", &t1, "sm_90"));
+  ck_assert_int_eq(rep.stale_template, 4);
   m3_tunedb_free(db);
   /* A reader without the code check (an older m3kit) applies the template rule to all. */
   f.code_hash = NULL;
   db = load_ok(path, &f, &rep);
-  ck_assert_uint_eq(m3_tunedb_count(db), 3);
-  ck_assert_int_eq(rep.stale_template, 2);
+  ck_assert_uint_eq(m3_tunedb_count(db), 4);
+  ck_assert_int_eq(rep.stale_template, 3);
   m3_tunedb_free(db);
+  rm_tree(dir);
+}
+END_TEST
+
+/* --rehash: records with a current template and no hash of this scheme get
+ * their tile's; the file is edited in place under the lock (order, other
+ * records and unknown fields kept); a garbled file is not touched. */
+START_TEST(add_code_hashes_in_place) {
+  char *dir = tmpdir(), path[600];
+  snprintf(path, sizeof path, "%s/sm_90.json", dir);
+  const char *doc =
+      "{\"format\": \"m3kit-tunedb\", \"version\": 1, \"future_top\": 1, \"records\": ["
+      REC("qknorm_rope(a=2)", "tokens=1", "sm_90", "warps=4", "550.54.15", "abc123") ","  /* given c1:c0de04 */
+      REC("qknorm_rope(a=1)", "tokens=1", "sm_90", "warps=2", "550.54.15", "0ld0ld") ","  /* changed template: left */
+      REC("qknorm_rope(a=3)", "tokens=1", "sm_90", "warps=8", "550.54.15", "abc123") ","  /* tile gone: left */
+      REC_CODE("qknorm_rope(a=4)", "warps=2", "0ld0ld", "c1:0ld") ","                      /* has one: kept */
+      "{\"key\": \"qknorm_rope(a=5)\", \"bucket\": \"tokens=1\", \"arch\": \"sm_90\", \"tile\": \"warps=2\", "
+      "\"future\": [1], \"provenance\": {\"template_hash\": \"abc123\"}}]}\n";
+  write_text(path, doc, strlen(doc));
+  m3_tunedb_filter f = {.template_hash = hash_of, .code_hash = code_of, .code_scheme = "c1:"};
+  int given = -1, left = -1;
+  m3_err e;
+  ck_assert_msg(m3_tunedb_add_code_hashes(path, &f, &given, &left, &e) == M3_OK, "%s", e.msg);
+  ck_assert_int_eq(given, 2);
+  ck_assert_int_eq(left, 2);
+  m3_tunedb_report rep;
+  m3_tunedb *db = load_ok(path, NULL, &rep);
+  ck_assert_uint_eq(m3_tunedb_count(db), 5);
+  ck_assert_str_eq(m3_tunedb_get(db, 0)->key, "qknorm_rope(a=2)"); /* order kept */
+  ck_assert_str_eq(m3_tunedb_get(db, 0)->prov.code_hash, "c1:c0de04");
+  ck_assert_ptr_null(m3_tunedb_get(db, 1)->prov.code_hash);
+  ck_assert_ptr_null(m3_tunedb_get(db, 2)->prov.code_hash);
+  ck_assert_str_eq(m3_tunedb_get(db, 3)->prov.code_hash, "c1:0ld");
+  ck_assert_str_eq(m3_tunedb_get(db, 4)->prov.code_hash, "c1:c0de02");
+  ck_assert_int_eq(rep.unknown_fields, 2); /* "future_top" and "future" survived */
+  m3_tunedb_free(db);
+  /* Nothing left to give: the file is not rewritten. */
+  struct stat st0, st1;
+  ck_assert_int_eq(stat(path, &st0), 0);
+  ck_assert_int_eq(m3_tunedb_add_code_hashes(path, &f, &given, &left, &e), M3_OK);
+  ck_assert_int_eq(given, 0);
+  ck_assert_int_eq(stat(path, &st1), 0);
+  ck_assert(st0.st_ino == st1.st_ino);
+  /* Garbled: an error naming the file, the bytes untouched. */
+  write_text(path, "{\"format\": \"m3kit-tunedb\", \"vers", 31);
+  ck_assert_int_eq(m3_tunedb_add_code_hashes(path, &f, &given, &left, &e), M3_FORMAT);
+  ck_assert_ptr_nonnull(strstr(e.msg, path));
   rm_tree(dir);
 }
 END_TEST
@@ -1015,6 +1066,7 @@ int main(void) {
   TCase *load = tcase_create("load");
   tcase_add_test(load, stale_records_ignored_with_one_message);
   tcase_add_test(load, code_hash_decides_where_present);
+  tcase_add_test(load, add_code_hashes_in_place);
   tcase_add_test(load, unknown_fields_tolerated_and_kept);
   tcase_add_test(load, malformed_records_skipped_and_counted);
   tcase_add_test(load, newer_version_ignored_not_overwritten);

@@ -180,6 +180,28 @@ START_TEST(code_hash_ignores_comments_and_blanks) {
   char *t = m3_code_normalise(same[1], strlen(same[1]), NULL, &n);
   ck_assert_str_eq(t, "#define N 4\n__global__ void k(float *x) {\nx[0] = N;\nasm(\"mov.u32 %0,  1;\");\n}\n");
   free(t);
+  /* Translation phases 1-3: splices, // comments they continue, digit
+   * separators, raw strings; and a source with no blanks to drop (its output
+   * is one byte longer than its input: the closing line break). */
+  static const struct { const char *a, *b; int same; } pairs[] = {
+      {"foo \\\n   bar;", "foo bar;", 1},
+      {"foo\\\n    bar;", "foo\\\nbar;", 0},            /* two tokens, one token */
+      {"a\\\n/* */b;", "a\\\nb;", 0},
+      {"// c \\\nx = 1;\n", "// c\nx = 1;\n", 0},         /* the splice comments x = 1 out */
+      {"int a = 1'0 + ' ';", "int a = 1'0 + '\t';", 0},      /* ' in 1'0 opens no literal */
+      {"int a = 1'0;  int b;", "int a = 1'0; int b;", 1},
+      {"auto s = R\"x(a\" // b)x\";", "auto s = R\"x(a\" // c)x\";", 0},
+      {"auto s = R\"(a  b)\";", "auto s = R\"(a b)\";", 0},
+      {"L'x' + u8\"y  z\"", "L'x' + u8\"y z\"", 0},
+  };
+  for (size_t i = 0; i < sizeof pairs / sizeof *pairs; i++) {
+    const uint64_t ha = m3_code_hash(pairs[i].a, strlen(pairs[i].a), NULL, 32, 0);
+    const uint64_t hb = m3_code_hash(pairs[i].b, strlen(pairs[i].b), NULL, 32, 0);
+    ck_assert_msg((ha == hb) == pairs[i].same, "pair %zu: '%s' vs '%s'", i, pairs[i].a, pairs[i].b);
+  }
+  t = m3_code_normalise("a b", 3, NULL, &n);
+  ck_assert_str_eq(t, "a b\n");
+  free(t);
   /* The kernel's name (derived from the full key) is not code: renamed as an
    * identifier only, never inside a longer one. */
   const char *k1 = "__global__ void m3k_a_01(int *x) { m3k_a_01x(x); }\n";
@@ -283,8 +305,9 @@ START_TEST(seed_db_matches_the_templates) {
    * leave that code alone (comments, other tiles) do not stale it. */
   for (size_t i = 0; i < m3_tunedb_count(db); i++) {
     const m3_tune_record *r = m3_tunedb_get(db, i);
-    ck_assert_msg(r->prov.code_hash != NULL, "%s: record %s [%s] has no code_hash (m3kit tune --rehash --db %s)",
-                  path, r->key, r->tile, path);
+    ck_assert_msg(r->prov.code_hash && !strncmp(r->prov.code_hash, M3_CODE_HASH_SCHEME, strlen(M3_CODE_HASH_SCHEME)),
+                  "%s: record %s [%s] has no code_hash of scheme %s (m3kit tune --rehash --db %s)", path, r->key,
+                  r->tile, M3_CODE_HASH_SCHEME, path);
   }
   m3_tunedb_free(db);
 }

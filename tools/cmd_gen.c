@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "cache/store.h"
+#include "gen/code_hash.h"
 #include "gen/render.h"
 #include "runtime/jit.h"
 #include "runtime/log.h"
@@ -170,9 +171,11 @@ int cmd_gen(int argc, char **argv) {
         else {
           char k[M3_KEY_MAX];
           m3_variant_print(&v, k, sizeof k);
-          printf("%s\n  entry %s, %d threads, %d B dynamic smem, code hash %016llx, cubin %zu bytes (%s, %.2f s)\n",
-                 k, cb.meta.entry, cb.meta.threads, cb.meta.smem, (unsigned long long)src.code_hash, cb.size,
-                 cb.hit ? "cache hit" : "compiled", now_s() - t0);
+          char ct[M3_CODE_HASH_TEXT];
+          m3_code_hash_text(src.code_hash, ct, sizeof ct);
+          printf("%s\n  entry %s, %d threads, %d B dynamic smem, code hash %s, cubin %zu bytes (%s, %.2f s)\n", k,
+                 cb.meta.entry, cb.meta.threads, cb.meta.smem, ct, cb.size, cb.hit ? "cache hit" : "compiled",
+                 now_s() - t0);
           if (cubin_out && (s = m3_write_atomic(cubin_out, cb.data, cb.size, &e)) != M3_OK) rc = cli_fail("gen", s, &e);
           else if (cubin_out) printf("  wrote %s (cuobjdump -sass %s shows the machine code)\n", cubin_out, cubin_out);
           inspect(&src, v.arch);

@@ -87,41 +87,23 @@ static int db_file(const char *arch, const char *db_path, char *path, size_t n) 
 
 /* --rehash: the records whose template hash is current get the code hash of
  * their tile (which that template text renders, so it is the code they were
- * timed with); the others are left on disk as they are. */
+ * timed with); the others are left as they are (m3_tunedb_add_code_hashes). */
 static int rehash(const char *arch, const char *db_path) {
   char path[4200];
   if (db_file(arch, db_path, path, sizeof path)) return 1;
   m3_lua *L;
   m3_err e;
   if (m3_lua_open(&L, &e) != M3_OK) return cli_fail("tune", e.code, &e);
-  m3_tuning_hash_ctx th = {.lua = L}, ch = {.lua = L};
-  m3_tunedb_filter f = {.template_hash = m3_tuning_template_hash, .ctx = &th};
-  m3_tunedb *db = m3_tunedb_new(), *out = m3_tunedb_new();
-  m3_tunedb_report rep;
-  memset(&rep, 0, sizeof rep);
-  m3_status s = db && out ? m3_tunedb_load(db, path, NULL, &f, &rep, &e) : m3_errf(&e, M3_NOMEM, "tuning DB");
-  int given = 0, failed = 0;
-  for (size_t i = 0; s == M3_OK && i < m3_tunedb_count(db); i++) {
-    m3_tune_record r = *m3_tunedb_get(db, i);
-    r.prov.code_hash = m3_tuning_code_hash(&ch, r.key, r.tile, r.arch);
-    if (!r.prov.code_hash) {
-      fprintf(stderr, "m3kit tune: %s: record %s [%s] @%s cannot be rendered; left as it is\n", path, r.key, r.tile,
-              r.arch);
-      failed++;
-      continue;
-    }
-    s = m3_tunedb_put(out, &r, &e);
-    given += s == M3_OK;
-  }
-  m3_tunedb_report wr;
-  if (s == M3_OK && given) s = m3_tunedb_save_merge(path, out, &wr, &e);
-  m3_tunedb_free(db);
-  m3_tunedb_free(out);
+  m3_tuning_hash_ctx th = {.lua = L};
+  m3_tunedb_filter f;
+  m3_tuning_filter_init(&f, &th, NULL, NULL);
+  int given = 0, left = 0;
+  m3_status s = m3_tunedb_add_code_hashes(path, &f, &given, &left, &e);
   m3_lua_close(L);
   if (s != M3_OK) return cli_fail("tune", s, &e);
-  printf("%s: %d records carry their code hash now; %d with a changed template left as they were%s\n", path, given,
-         rep.stale_template, failed ? " (and some that no longer render: see above)" : "");
-  return failed != 0;
+  printf("%s: %d records given the code hash of their tile; %d without a current template or tile left as they "
+         "were\n", path, given, left);
+  return 0;
 }
 
 static int show_or_plot(const char *arch, const char *plot_dir, const char *db_path) {

@@ -16,9 +16,10 @@ and default's) completed, template_hash and code_hash of the new rendering, a no
 provenance.command.  Records whose code did change are left stale: they need `m3kit tune`.
 DB is rewritten in the seed's layout (tools/seed_merge.py) through a temporary file and a rename.
 """
-import itertools, json, os, re, struct, subprocess, sys, tempfile
+import fcntl, itertools, json, os, re, struct, subprocess, sys, tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SCHEME = None  # of the code hashes this m3kit computes (gen/code_hash.h), set in main()
 
 
 def run(cmd, env=None):
@@ -57,7 +58,7 @@ def code_hash(m3kit, env, full):
         head = run([m3kit, 'gen', '--emit', full], env).split('\n', 1)[0]
     except RuntimeError:
         return None
-    m = re.search(r'code hash ([0-9a-f]{16})', head)
+    m = re.search(r'code hash ([^\s,)]+)', head)
     return m.group(1) if m else None
 
 
@@ -82,12 +83,13 @@ def machine_code(m3kit, env, full, tmp):
     metadata (registers, parameters, shared memory), constants and relocations, byte for byte, under
     section names with the kernel's own name (which encodes the tile) replaced."""
     out = run([m3kit, 'gen', '--compile', full, '--cubin', tmp], env)
-    entry = re.search(r'entry (\S+),', out).group(1)
+    m = re.search(r'entry (\S+), (\d+) threads, (\d+) B dynamic smem', out)
+    entry, launch = m.group(1), (int(m.group(2)), int(m.group(3)))  # the launch is not in the cubin
     with open(tmp, 'rb') as f:
         secs = elf_sections(f.read())
     debug = ('.debug', '.nv_debug', '.rela.debug', '.rela.nv_debug')  # line tables, PTX text: not executed
-    return sorted((n.replace(entry, 'ENTRY'), t, size, body) for n, t, size, body in secs
-                  if n not in ('.symtab', '.strtab', '.shstrtab', '') and not n.startswith(debug))
+    return launch, sorted((n.replace(entry, 'ENTRY'), t, size, body) for n, t, size, body in secs
+                          if n not in ('.symtab', '.strtab', '.shstrtab', '') and not n.startswith(debug))
 
 
 def main():
@@ -105,8 +107,18 @@ def main():
     for e in (env_new, env_old):  # compiles go to a private cubin cache, never the user's
         e['M3KIT_CACHE_DIR'] = os.path.join(tempfile.gettempdir(), 'm3kit-rekey-cache')
     new, old = schemas(m3kit, env_new), schemas(m3kit, env_old)
+    global SCHEME
+    # the tuners' lock (cache/store.c m3_lock): no tuner merges into DB while it is rewritten
+    lock = open(db_path + '.lock', 'a')
+    fcntl.flock(lock, fcntl.LOCK_EX)
     d = json.load(open(db_path))
-    tmp = os.path.join(tempfile.mkdtemp(prefix='m3rekey'), 'k.cubin')
+    tmpdir = tempfile.TemporaryDirectory(prefix='m3rekey')
+    tmp = os.path.join(tmpdir.name, 'k.cubin')
+    for r in d['records']:  # the scheme of this m3kit's code hashes, from any record that renders
+        h = code_hash(m3kit, env_new, '%s[%s]@%s' % (r['key'], r['tile'], r['arch']))
+        if h:
+            SCHEME = h.split(':')[0]
+            break
     counts = {'current': 0, 'rekeyed': 0, 'changed': 0, 'was stale': 0}
     for r in d['records']:
         name = r['key'].split('(', 1)[0]
@@ -116,8 +128,9 @@ def main():
         def current(env, schema):  # the runtime's rule (docs/tuning-db.md)
             if name not in schema:
                 return False
-            if 'code_hash' in prov:
-                return code_hash(m3kit, env, full) == prov['code_hash']
+            have_code = prov.get('code_hash')
+            if have_code and have_code.split(':')[0] == SCHEME:
+                return code_hash(m3kit, env, full) == have_code
             return prov['template_hash'] == schema[name][0]
         if current(env_new, new):
             counts['current'] += 1
@@ -159,7 +172,9 @@ def main():
             prov['template_hash'] = new[name][0]
             prov['code_hash'] = new_code
             how = 'same code' if new_code == old_code else 'same machine code'
-            prov['command'] = prov.get('command', '') + ' (re-keyed by tools/rekey.py: %s after a template edit)' % how
+            note = ' (re-keyed by tools/rekey.py: %s after a template edit)' % how
+            if note not in prov.get('command', ''):
+                prov['command'] = prov.get('command', '') + note
             counts['rekeyed'] += 1
             print('re-keyed (%s): %s [%s] -> [%s]' % (how, r['key'], old_tile, tile))
             done = True
