@@ -114,7 +114,12 @@ m3_status m3_index_workspace_init(void *ws, size_t bytes, cudaStream_t stream, m
  * zeroed once (m3_index_workspace_init); may be NULL when that is 0.
  * Errors: M3_INVAL (key/argument mismatch naming the field, a cache whose
  * dtype is not a->idx_e4m3, NULL or misaligned pointers, a workspace too
- * small), M3_RANGE (from the plan), M3_CUDA (launch). */
+ * small), M3_RANGE (from the plan), M3_CUDA (launch).
+ * A tile with lead=1 reads b's token_seq, positions and block table before
+ * its grid wait, i.e. while kernels launched before it on `stream` may still
+ * run (programmatic dependent launch): no kernel on `stream` since its last
+ * host-ordered point may write them.  The decode step uploads them with host
+ * copies before its first kernel. */
 m3_status m3_launch_index_decode(const m3_kernel *k, const m3_idx_args *a, const m3_seq_batch *b, int sm_count,
                                  const void *iq, const m3_idx_cache *cache, int32_t *topk_out, void *ws,
                                  size_t ws_bytes, cudaStream_t stream, m3_err *e);

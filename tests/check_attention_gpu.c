@@ -3,7 +3,8 @@
  * m3_ref_dense_attention: both KV dtypes, both schedules (decode split-K and
  * prefill) on the same inputs, decode batches mixing short and long
  * sequences (1 ... 5000 tokens), prefill chunks after a context, every valid
- * tile, a GQA group smaller than 16, and the known faults tagged SPA:
+ * tile, the decode K/V ring's depths bitwise equal, a GQA group smaller than 16, and
+ * the known faults tagged SPA:
  *   #6  sentinel -1 and ids >= the visible block count in the selection, with
  *       0x7FFFFFFF in the 4 KiB before request 0's block-table row;
  *   #8  every block selected (seq <= topk * block) == dense attention;
@@ -406,6 +407,46 @@ START_TEST(small_gqa_group) {
 }
 END_TEST
 
+/* The decode schedule's K/V ring (tile depth, lib/attn_mma.lua attend): the
+ * same tiles in the same order with the same arithmetic for every depth, so
+ * depth 2 is bitwise depth 1, for warps that get 0, 1, 2 or many 16-key tiles
+ * (the ring's first empty slot ends it), and both match the reference; a
+ * tile of depth 2 with a bf16 cache is invalid (its ring would spill). */
+START_TEST(decode_ring_depths_agree) {
+  const int sparse = _i & 1, kv8 = 1; /* depth 2 is for the e4m3 cache (valid()) */
+  const int lens[] = {1, 15, 16, 17, 33, 64, 65, 300, 1000};
+  prob p;
+  prob_make(&p, TINY, kv8, lens, 9, 0, 0, 0, 1.0f, 650 + _i);
+  prob_select(&p, 0, 650 + _i);
+  prob_upload(&p);
+  m3_bf16 *ref = prob_ref(&p, sparse);
+  const size_t n = (size_t)p.n_tokens * TINY.nq * HD;
+  const int warps[] = {1, 2, 8};
+  for (int w = 0; w < 3; w++) {
+    char t1[64], t2[64], c1[M3_KEY_MAX], c2[M3_KEY_MAX];
+    snprintf(t1, sizeof t1, "warps=%d,ctas=1,depth=1", warps[w]);
+    snprintf(t2, sizeof t2, "warps=%d,ctas=1,depth=2", warps[w]);
+    m3_bf16 *a = prob_gpu(&p, sparse, M3_ATTN_DECODE, t1, c1, sizeof c1);
+    m3_bf16 *b = prob_gpu(&p, sparse, M3_ATTN_DECODE, t2, c2, sizeof c2);
+    expect_close(b, ref, n, "depth 2", c2);
+    ck_assert_msg(!memcmp(a, b, n * 2), "%s: differs from %s", c2, c1);
+    free(a);
+    free(b);
+  }
+  m3_attn_args a = prob_args(&p);
+  m3_variant v;
+  m3_err e;
+  a.kv_e4m3 = 0;
+  ck_assert_int_eq(sparse ? m3_attn_sparse_key(&a, M3_ATTN_DECODE, &v, &e) : m3_attn_dense_key(&a, M3_ATTN_DECODE, &v, &e),
+                   M3_OK);
+  snprintf(v.arch, sizeof v.arch, "%s", g_rt.dev.arch);
+  ck_assert_int_eq(m3_variant_parse_tile(&v, "warps=8,ctas=1,depth=2", &e), M3_OK);
+  ck_assert_int_eq(m3_render_valid(g_rt.jit.lua, &v, NULL, 0, &e), M3_TILE);
+  free(ref);
+  prob_free(&p);
+}
+END_TEST
+
 /* Every valid tile of every variant the model needs gives the reference's
  * answer (the results-vs-speed contract). */
 START_TEST(every_valid_tile_same_answer) {
@@ -484,6 +525,7 @@ static Suite *make(void) {
   tcase_add_loop_test(tc, fault15_pages_past_2GiB, 0, 4);
   tcase_add_loop_test(tc, prefill_chunk_with_context, 0, 4);
   tcase_add_loop_test(tc, small_gqa_group, 0, 4);
+  tcase_add_loop_test(tc, decode_ring_depths_agree, 0, 2);
   tcase_add_loop_test(tc, every_valid_tile_same_answer, 0, 8);
   tcase_add_test(tc, launch_rejects_bad_arguments);
   suite_add_tcase(s, tc);

@@ -389,7 +389,8 @@ START_TEST(decode_many_splits) {
   int ql[] = {1, 1, 2, 1};
   popts o = {.e4m3 = _i & 1, .local = 1, .salt = 15};
   prob p = make_prob(lens, ql, 4, o);
-  static const char *tiles[] = {"warps=4,depth=2,waves=1,chunk=8,cvt=alu", "warps=8,depth=2,waves=2,chunk=32,cvt=alu"};
+  static const char *tiles[] = {"warps=4,depth=2,waves=1,chunk=8,cvt=alu,lead=0",
+                                "warps=8,depth=2,waves=2,chunk=32,cvt=alu,lead=1"};
   g_plan_sms = (_i >> 1) ? 1 : 1000;
   for (int i = 0; i < 2; i++) free(check_decode(&p, tiles[i], 0));
   g_plan_sms = 0;

@@ -91,8 +91,11 @@ START_TEST(every_variant_compiles_for_arch) {
 }
 END_TEST
 
-/* Every __global__ of v's source opens with M3_GRID_WAIT(); *(int *)ctx counts them. */
-static void check_grid_wait(m3_jit *j, const char *tmpl, const m3_variant *v, void *ctx) {
+/* Every __global__ of v's source opens with M3_GRID_WAIT(), or with a
+ * declared lead-in (M3_LEAD_IN;, reading launch inputs that no kernel of the
+ * step writes: templates/index_decode.lua) that reaches M3_GRID_WAIT() before
+ * the next kernel; *(int *)ctx counts them. */
+static void check_grid_wait_tile(m3_jit *j, const char *tmpl, const m3_variant *v, void *ctx) {
   m3_source src;
   m3_err e;
   ck_assert_msg(m3_render_source(j->lua, v, &src, &e) == M3_OK, "%s", e.msg);
@@ -101,11 +104,27 @@ static void check_grid_wait(m3_jit *j, const char *tmpl, const m3_variant *v, vo
     ck_assert_msg(body != NULL, "%s: a __global__ without a body", tmpl);
     body++;
     while (*body == ' ' || *body == '\n') body++;
-    ck_assert_msg(!strncmp(body, "M3_GRID_WAIT();", 15), "%s: a kernel's first statement is not M3_GRID_WAIT(): %.60s",
-                  tmpl, body);
+    if (!strncmp(body, "M3_LEAD_IN;", 11)) {
+      /* a statement of the kernel's own block (two-space indent), not one in a nested block or a comment */
+      const char *wait = strstr(body, "\n  M3_GRID_WAIT();"), *next = strstr(body, "__global__");
+      ck_assert_msg(wait && (!next || wait < next), "%s: a kernel's lead-in never reaches M3_GRID_WAIT()", tmpl);
+    } else {
+      ck_assert_msg(!strncmp(body, "M3_GRID_WAIT();", 15),
+                    "%s: a kernel's first statement is neither M3_GRID_WAIT() nor M3_LEAD_IN: %.60s", tmpl, body);
+    }
     ++*(int *)ctx;
   }
   m3_source_free(&src);
+}
+/* ... for every valid tile of v (a tile axis may move code across the wait). */
+static void check_grid_wait(m3_jit *j, const char *tmpl, const m3_variant *v, void *ctx) {
+  m3_variant *tiles;
+  int n;
+  m3_err e;
+  ck_assert_msg(m3_render_tiles(j->lua, v, &tiles, &n, &e) == M3_OK, "%s", e.msg);
+  for (int i = 0; i < n; i++)
+    if (m3_render_valid(j->lua, &tiles[i], NULL, 0, &e) == M3_OK) check_grid_wait_tile(j, tmpl, &tiles[i], ctx);
+  free(tiles);
 }
 
 /* Programmatic dependent launch (on unless M3KIT_PDL=0, runtime/gpu.c) lets a kernel

@@ -385,100 +385,7 @@ M3_DEV void load_q(unsigned (&qa)[8][4], const bf16_t *q, i64 t, int g, int gl, 
 #endif
 }
 
-/* Online softmax over the tiles of one warp: m (running max, log2 units), l
- * (this lane's share of the running sum; the quad's 4 lanes add up at the
- * end) for rows gl and gl+8, o the unnormalised output fragments.  Loads of
- * the next tile's K are issued right after this tile's S is formed and its V
- * after this tile's P·V, so a tile's worth of loads is always in flight. */
-M3_DEV void attend(const kv_ctx &c, i64 f, i64 fend, int step, const unsigned (&qa)[8][4], float scale2,
-                   float (&m)[2], float (&l)[2], float (&o)[16][4], int lane) {
-  const int gl = lane >> 2, tq = lane & 3;
-  const kv_t *base = 0;
-  int nv = 0;
-  uint4 kr[2][KVEC], vr[4][VVEC];
-  bool have = next_tile(c, f, fend, step, base, nv);
-  if (have) {
-    load_k(kr, base, nv, gl, tq);
-    load_v(vr, base, nv, gl, tq);
-  }
-  while (have) {
-    float s[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
-#pragma unroll
-    for (int ks = 0; ks < 8; ks++) {
-#pragma unroll
-      for (int nt = 0; nt < 2; nt++) {
-#if KV_E4M3
-        const unsigned w = w4(kr[nt][ks >> 2], ks & 3);
-        mma(s[nt], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], e4m3x2_f16(prmt(w, w, 0x1000u)),
-            e4m3x2_f16(prmt(w, w, 0x3020u)));
-#else
-        mma(s[nt], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], w4(kr[nt][ks >> 1], 2 * (ks & 1)),
-            w4(kr[nt][ks >> 1], 2 * (ks & 1) + 1));
-#endif
-      }
-    }
-    const int nv_cur = nv;
-    f += step;
-    have = next_tile(c, f, fend, step, base, nv);
-    if (have) load_k(kr, base, nv, gl, tq);
-
-    /* s[nt][i]: row gl (i < 2) or gl+8, key 8nt + 2tq + (i & 1) of the tile. */
-    float mx[2] = {neg_inf(), neg_inf()};
-#pragma unroll
-    for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-      for (int i = 0; i < 4; i++) {
-        const int n = 8 * nt + 2 * tq + (i & 1);
-        float x = s[nt][i] * scale2;
-        x = n < nv_cur ? x : neg_inf();
-        s[nt][i] = x;
-        mx[i >> 1] = fmaxf(mx[i >> 1], x);
-      }
-    float corr[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL, mx[r], 2));
-      const float mn = fmaxf(m[r], mx[r]);
-      const float mu = mn == neg_inf() ? 0.0f : mn;   /* no key yet: keep exp2 finite */
-      corr[r] = ex2(m[r] - mu);
-      m[r] = mn;
-      mx[r] = mu;
-    }
-    float ps[2] = {0, 0};
-#pragma unroll
-    for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-      for (int i = 0; i < 4; i++) {
-        const float p = ex2(s[nt][i] - mx[i >> 1]);
-        s[nt][i] = p;
-        ps[i >> 1] += p;
-      }
-#pragma unroll
-    for (int r = 0; r < 2; r++) l[r] = l[r] * corr[r] + ps[r];
-    const unsigned pa0 = pack_p(s[0][0], s[0][1]), pa1 = pack_p(s[0][2], s[0][3]);
-    const unsigned pa2 = pack_p(s[1][0], s[1][1]), pa3 = pack_p(s[1][2], s[1][3]);
-#pragma unroll
-    for (int j = 0; j < 16; j++) {
-      o[j][0] *= corr[0]; o[j][1] *= corr[0];
-      o[j][2] *= corr[1]; o[j][3] *= corr[1];
-#if KV_E4M3
-      const int wi = j >> 2, bi = j & 3;
-      const unsigned sl = (unsigned)(bi | bi << 4 | (4 + bi) << 8 | (4 + bi) << 12);
-      const unsigned b0 = e4m3x2_f16(prmt(w4(vr[0][0], wi), w4(vr[1][0], wi), sl));
-      const unsigned b1 = e4m3x2_f16(prmt(w4(vr[2][0], wi), w4(vr[3][0], wi), sl));
-#else
-      const int h = j >> 3, wi = (j & 7) >> 1;
-      const unsigned sl = (j & 1) ? 0x7632u : 0x5410u;
-      const unsigned b0 = prmt(w4(vr[0][h], wi), w4(vr[1][h], wi), sl);
-      const unsigned b1 = prmt(w4(vr[2][h], wi), w4(vr[3][h], wi), sl);
-#endif
-      mma(o[j], pa0, pa1, pa2, pa3, b0, b1);
-    }
-    if (have) load_v(vr, base, nv, gl, tq);
-  }
-}
-
+$attend_fns
 M3_DEV void st_bf16x4(bf16_t *p, float a, float b, float c, float d) {
   uint2 u;
   u.x = pack_bf16(a, b);
@@ -529,7 +436,7 @@ $sym(const bf16_t *__restrict__ q,          /* [N, NQ, HD] */
   const i64 cstart = (i64)s * chunk;
   const i64 cend = s == nsplit - 1 ? total : cstart + chunk;
   load_q(qa, q, t, g, gl, tq);
-  attend(c, cstart + 16 * warp, cend, 16 * NW, qa, scale2, m, l, o, lane);
+  $attend(c, cstart + 16 * warp, cend, 16 * NW, qa, scale2, m, l, o, lane);
 
   /* Merge the CTA's warps (fixed order: deterministic). */
   float *so = (float *)smem_raw;                /* [NW][16][SO], columns swizzled (so_col) */
@@ -710,6 +617,152 @@ $sym(const bf16_t *__restrict__ q,          /* [N, NQ, HD] */
 }
 ]]
 
+-- The online-softmax step over one 16-key tile (S = Q·Kᵀ, the next tile's K
+-- loads, softmax, O += P·V, the next tile's V loads), written once and emitted
+-- into both pipelines below with their buffer names: attend() (one buffer:
+-- depth=1, the kernel the tuning records before the depth axis timed, kept
+-- byte for byte) and attend_ring<D>() (a ring of D: depth=2).
+A.tile_step = [[
+    float s[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+#pragma unroll
+    for (int ks = 0; ks < 8; ks++) {
+#pragma unroll
+      for (int nt = 0; nt < 2; nt++) {
+#if KV_E4M3
+        const unsigned w = w4($KR[nt][ks >> 2], ks & 3);
+        mma(s[nt], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], e4m3x2_f16(prmt(w, w, 0x1000u)),
+            e4m3x2_f16(prmt(w, w, 0x3020u)));
+#else
+        mma(s[nt], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], w4($KR[nt][ks >> 1], 2 * (ks & 1)),
+            w4($KR[nt][ks >> 1], 2 * (ks & 1) + 1));
+#endif
+      }
+    }
+    const int nv_cur = $NV;
+    f += step;
+    $HAVE = next_tile(c, f, fend, step, $BASE, $NV);
+    if ($HAVE) load_k($KR, $BASE, $NV, gl, tq);
+
+    /* s[nt][i]: row gl (i < 2) or gl+8, key 8nt + 2tq + (i & 1) of the tile. */
+    float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const int n = 8 * nt + 2 * tq + (i & 1);
+        float x = s[nt][i] * scale2;
+        x = n < nv_cur ? x : neg_inf();
+        s[nt][i] = x;
+        mx[i >> 1] = fmaxf(mx[i >> 1], x);
+      }
+    float corr[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL, mx[r], 2));
+      const float mn = fmaxf(m[r], mx[r]);
+      const float mu = mn == neg_inf() ? 0.0f : mn;   /* no key yet: keep exp2 finite */
+      corr[r] = ex2(m[r] - mu);
+      m[r] = mn;
+      mx[r] = mu;
+    }
+    float ps[2] = {0, 0};
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const float p = ex2(s[nt][i] - mx[i >> 1]);
+        s[nt][i] = p;
+        ps[i >> 1] += p;
+      }
+#pragma unroll
+    for (int r = 0; r < 2; r++) l[r] = l[r] * corr[r] + ps[r];
+    const unsigned pa0 = pack_p(s[0][0], s[0][1]), pa1 = pack_p(s[0][2], s[0][3]);
+    const unsigned pa2 = pack_p(s[1][0], s[1][1]), pa3 = pack_p(s[1][2], s[1][3]);
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+      o[j][0] *= corr[0]; o[j][1] *= corr[0];
+      o[j][2] *= corr[1]; o[j][3] *= corr[1];
+#if KV_E4M3
+      const int wi = j >> 2, bi = j & 3;
+      const unsigned sl = (unsigned)(bi | bi << 4 | (4 + bi) << 8 | (4 + bi) << 12);
+      const unsigned b0 = e4m3x2_f16(prmt(w4($VR[0][0], wi), w4($VR[1][0], wi), sl));
+      const unsigned b1 = e4m3x2_f16(prmt(w4($VR[2][0], wi), w4($VR[3][0], wi), sl));
+#else
+      const int h = j >> 3, wi = (j & 7) >> 1;
+      const unsigned sl = (j & 1) ? 0x7632u : 0x5410u;
+      const unsigned b0 = prmt(w4($VR[0][h], wi), w4($VR[1][h], wi), sl);
+      const unsigned b1 = prmt(w4($VR[2][h], wi), w4($VR[3][h], wi), sl);
+#endif
+      mma(o[j], pa0, pa1, pa2, pa3, b0, b1);
+    }
+    if ($HAVE) load_v($VR, $BASE, $NV, gl, tq);
+]]
+
+local function step_text(kr, vr, nv, have, base)
+  return (A.tile_step:gsub("%$(%u+)", {KR = kr, VR = vr, NV = nv, HAVE = have, BASE = base}))
+end
+
+A.attend = [[
+/* Online softmax over the tiles of one warp: m (running max, log2 units), l
+ * (this lane's share of the running sum; the quad's 4 lanes add up at the
+ * end) for rows gl and gl+8, o the unnormalised output fragments.  Loads of
+ * the next tile's K are issued right after this tile's S is formed and its V
+ * after this tile's P·V, so a tile's worth of loads is always in flight. */
+M3_DEV void attend(const kv_ctx &c, i64 f, i64 fend, int step, const unsigned (&qa)[8][4], float scale2,
+                   float (&m)[2], float (&l)[2], float (&o)[16][4], int lane) {
+  const int gl = lane >> 2, tq = lane & 3;
+  const kv_t *base = 0;
+  int nv = 0;
+  uint4 kr[2][KVEC], vr[4][VVEC];
+  bool have = next_tile(c, f, fend, step, base, nv);
+  if (have) {
+    load_k(kr, base, nv, gl, tq);
+    load_v(vr, base, nv, gl, tq);
+  }
+  while (have) {
+]] .. step_text("kr", "vr", "nv", "have", "base") .. [[
+  }
+}
+
+]]
+
+A.ring = [[
+/* The same tiles in the same order with the same arithmetic as attend() (one
+ * tile step, emitted into both), so its result is attend()'s, bit for bit;
+ * only the loads run further ahead.  D K/V buffers form a ring: slot d holds
+ * tiles d, d + D, ...; while a tile is computed the loads of the D - 1 tiles
+ * after it are in flight, and its buffer is refilled with the tile D ahead
+ * (K right after S, V after P·V).  The first empty slot is the end.  D = 2
+ * doubles the bytes a warp has in flight, which the e4m3 cache needs: its
+ * 16-key tile is half the bytes of bf16's. */
+template <int D>
+M3_DEV void attend_ring(const kv_ctx &c, i64 f, i64 fend, int step, const unsigned (&qa)[8][4], float scale2,
+                        float (&m)[2], float (&l)[2], float (&o)[16][4], int lane) {
+  const int gl = lane >> 2, tq = lane & 3;
+  const kv_t *base[D];
+  int nv[D];
+  bool have[D];
+  uint4 kr[D][2][KVEC], vr[D][4][VVEC];
+#pragma unroll
+  for (int d = 0; d < D; d++) {
+    if (d) f += step;
+    have[d] = next_tile(c, f, fend, step, base[d], nv[d]);
+    if (have[d]) {
+      load_k(kr[d], base[d], nv[d], gl, tq);
+      load_v(vr[d], base[d], nv[d], gl, tq);
+    }
+  }
+  for (;;) {
+#pragma unroll
+    for (int d = 0; d < D; d++) {
+    if (!have[d]) return;
+]] .. step_text("kr[d]", "vr[d]", "nv[d]", "have[d]", "base[d]") .. [[
+    }
+  }
+}
+]]
+
 -- Dynamic shared memory of a tile (bytes): decode merges NW warps' fp32
 -- outputs (and later reuses the area for the split factors); prefill stages
 -- each warp's bf16 output rows.
@@ -728,6 +781,12 @@ function A.valid_common(k, t, arch)
   if k.mode == "prefill" and t.ctas ~= 1 then
     return false, "ctas (split-K CTAs per SM) applies to decode only: use ctas=1 for prefill"
   end
+  if k.mode == "prefill" and t.depth ~= 1 then
+    return false, "depth (K/V tiles in flight a warp) applies to decode only: use depth=1 for prefill"
+  end
+  if t.depth ~= 1 and k.kv ~= "e4m3" then
+    return false, "depth=2 is for the e4m3 cache (half the bytes a tile): with bf16 the ring needs over 255 registers a thread (spills)"
+  end
   return true
 end
 
@@ -736,6 +795,8 @@ function A.render(k, t, arch, sym, sparse, topk)
   local v = {
     nq = k.nq, nkv = k.nkv, bs = k.bs, topk = topk, sparse = sparse and 1 or 0,
     decode = decode and 1 or 0, kv_e4m3 = k.kv == "e4m3" and 1 or 0, warps = t.warps, sym = sym,
+    attend_fns = t.depth > 1 and A.attend .. A.ring or A.attend,
+    attend = t.depth > 1 and ("attend_ring<" .. t.depth .. ">") or "attend",
   }
   local src = A.body:gsub("%$([%w_]+)", function(n)
     if v[n] == nil then error("attn_mma: no value for $" .. n) end
