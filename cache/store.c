@@ -100,9 +100,28 @@ static m3_status write_all(int fd, const void *data, size_t len, const char *pat
   return M3_OK;
 }
 
-m3_status m3_write_atomic(const char *path, const void *data, size_t len, m3_err *e) {
+/* A symlinked file is written and locked at its target: renaming over the
+ * link would replace the link by a file and leave the target stale, and two
+ * writers naming the link and the target would lock two different files.
+ * buf receives the path to use (the link's target, or path itself). */
+static m3_status follow(const char *path, char *buf, size_t n, m3_err *e) {
+  struct stat st;
+  if (lstat(path, &st) != 0 || !S_ISLNK(st.st_mode)) {
+    snprintf(buf, n, "%s", path);
+    return M3_OK;
+  }
+  char *real = realpath(path, NULL);
+  if (!real) return m3_errf(e, M3_IO, "%s: a symlink whose target cannot be resolved: %s", path, strerror(errno));
+  snprintf(buf, n, "%s", real);
+  free(real);
+  return M3_OK;
+}
+
+m3_status m3_write_atomic(const char *link, const void *data, size_t len, m3_err *e) {
   static unsigned counter;
-  char tmp[4200];
+  char path[4200];
+  M3_TRY(follow(link, path, sizeof path, e));
+  char tmp[4300];
   snprintf(tmp, sizeof tmp, "%s.tmp.%ld.%u", path, (long)getpid(),
            __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED));
   int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
@@ -131,8 +150,9 @@ m3_status m3_write_atomic(const char *path, const void *data, size_t len, m3_err
   return M3_OK;
 }
 
-m3_status m3_lock(const char *path, int *fd, m3_err *e) {
-  char lk[4200];
+m3_status m3_lock(const char *link, int *fd, m3_err *e) {
+  char path[4200], lk[4300];
+  M3_TRY(follow(link, path, sizeof path, e));
   snprintf(lk, sizeof lk, "%s.lock", path);
   int f = open(lk, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (f < 0) return m3_errf(e, M3_IO, "%s: cannot open lock file: %s", lk, strerror(errno));

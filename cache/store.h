@@ -32,12 +32,14 @@ m3_status m3_mkdirs(const char *path, m3_err *e);
 m3_status m3_read_file(const char *path, uint8_t **data, size_t *len, m3_err *e);
 
 /* Atomically replace `path` with `len` bytes (temp file + fsync + rename, then
- * fsync of the directory).  Errors: M3_IO (ENOSPC, EROFS, ...) naming the path;
- * on error `path` is untouched and the temp file is removed. */
+ * fsync of the directory).  A symlink is followed: its target is replaced and
+ * the link stays.  Errors: M3_IO (ENOSPC, EROFS, a dangling symlink, ...)
+ * naming the path; on error `path` is untouched and the temp file is removed. */
 m3_status m3_write_atomic(const char *path, const void *data, size_t len, m3_err *e);
 
-/* An exclusive advisory lock on "<path>.lock", blocking.  *fd receives the lock
- * descriptor for m3_unlock.  Errors: M3_IO. */
+/* An exclusive advisory lock on "<path>.lock" (path's symlink target's, for a
+ * symlink), blocking.  *fd receives the lock descriptor for m3_unlock.
+ * Errors: M3_IO. */
 m3_status m3_lock(const char *path, int *fd, m3_err *e);
 void m3_unlock(int fd);
 

@@ -1236,10 +1236,10 @@ out:
   return s;
 }
 
-m3_status m3_tunedb_add_code_hashes(const char *path, const m3_tunedb_filter *f, int *given, int *left, m3_err *e) {
-  int g = 0, l = 0;
-  if (given) *given = 0;
-  if (left) *left = 0;
+m3_status m3_tunedb_add_code_hashes(const char *path, const m3_tunedb_filter *f, m3_rehash_report *rep, m3_err *e) {
+  m3_rehash_report local, cnt = {0, 0, 0, 0, -1};
+  if (!rep) rep = &local;
+  *rep = cnt;
   if (!path || !f || !f->template_hash || !f->code_hash || !f->code_scheme)
     return m3_errf(e, M3_INVAL, "m3_tunedb_add_code_hashes: NULL path, or a filter without hash callbacks");
   int lock;
@@ -1261,29 +1261,33 @@ m3_status m3_tunedb_add_code_hashes(const char *path, const m3_tunedb_filter *f,
     const char *arch = json_string_value(json_object_get(r, "arch"));
     const char *th = json_string_value(json_object_get(prov, "template_hash"));
     const char *ch = json_string_value(json_object_get(prov, "code_hash"));
-    if (!key || !tile || !arch || !th) continue; /* malformed: the loader's business, kept as it is */
-    if (ch && !strncmp(ch, f->code_scheme, strlen(f->code_scheme))) continue;
+    if (!key || !tile || !arch || !th) { /* malformed: the loader's business, kept as it is */
+      if (cnt.first_malformed < 0) cnt.first_malformed = (int)i;
+      cnt.malformed++;
+      continue;
+    }
+    if (ch && !strncmp(ch, f->code_scheme, strlen(f->code_scheme))) {
+      cnt.had++;
+      continue;
+    }
     char name[160];
     template_name(key, name, sizeof name);
     const char *cur = f->template_hash(f->ctx, name);
     const char *code = cur && !strcmp(cur, th) ? f->code_hash(f->ctx, key, tile, arch) : NULL;
     if (!code) {
-      l++;
+      cnt.left++;
       continue;
     }
     if (json_object_set_new(prov, "code_hash", json_string(code))) s = m3_errf(e, M3_NOMEM, "%s: out of memory", path);
-    g++;
+    cnt.given++;
   }
-  if (s == M3_OK && g) s = dump_doc(path, doc, &text, &tlen, e);
-  if (s == M3_OK && g) s = m3_write_atomic(path, text, tlen, e);
+  if (s == M3_OK && cnt.given) s = dump_doc(path, doc, &text, &tlen, e);
+  if (s == M3_OK && cnt.given) s = m3_write_atomic(path, text, tlen, e);
   free(text);
   free(data);
   json_decref(doc);
   m3_unlock(lock);
-  if (s == M3_OK) {
-    if (given) *given = g;
-    if (left) *left = l;
-  }
+  if (s == M3_OK) *rep = cnt;
   return s;
 }
 

@@ -269,18 +269,25 @@ m3_status m3_tunedb_save_merge(const char *path, const m3_tunedb *db,
                                m3_tunedb_report *rep, m3_err *e);
 
 /* Iteration, in insertion order (for the CLI and tests). */
+/* What m3_tunedb_add_code_hashes did, record by record. */
+typedef struct m3_rehash_report {
+  int given;     /* given the code hash of their tile */
+  int had;       /* already had a code hash of this scheme: untouched */
+  int left;      /* changed template, or a tile that no longer renders: untouched */
+  int malformed; /* no key, tile, arch or template hash: untouched (the loader skips them) */
+  int first_malformed; /* index of the first of those in the file, or -1 */
+} m3_rehash_report;
+
 /* Give the records of the DB file `path` that have no code hash of
  * f->code_scheme and whose template hash is current (f->template_hash) the
  * code hash of their tile (f->code_hash): what that template text renders is
  * the code they timed.  Read, edit and publish happen under the file's lock
  * (as save_merge), editing the JSON in place: record order, other records,
- * unknown fields stay as they were.  *given: records given a hash; *left:
- * records without a current one left as they were (changed template, a tile
- * that no longer renders); either may be NULL.  The file is rewritten only
- * when *given > 0.  Errors: M3_NOTFOUND (no file), M3_FORMAT (garbled: not
- * touched), M3_UNSUPPORTED (newer version), M3_INVAL (f lacks a callback),
- * M3_IO. */
-m3_status m3_tunedb_add_code_hashes(const char *path, const m3_tunedb_filter *f, int *given, int *left, m3_err *e);
+ * unknown fields stay as they were; the file is rewritten only when some
+ * record was given a hash.  rep may be NULL.  Errors: M3_NOTFOUND (no file),
+ * M3_FORMAT (garbled: not touched), M3_UNSUPPORTED (newer version), M3_INVAL
+ * (f lacks a callback), M3_IO. */
+m3_status m3_tunedb_add_code_hashes(const char *path, const m3_tunedb_filter *f, m3_rehash_report *rep, m3_err *e);
 
 size_t m3_tunedb_count(const m3_tunedb *db);
 const m3_tune_record *m3_tunedb_get(const m3_tunedb *db, size_t i);

@@ -5,8 +5,10 @@
 
 #include "gen/code_hash.h"
 
+#include <errno.h>
 #include <lauxlib.h>
 #include <lua.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -101,9 +103,12 @@ static m3_status canon_value(const char *keytext, const m3_axis_decl *a, const c
                              m3_err *e) {
   if (a->is_int || a->numeric) {
     char *end;
+    errno = 0;
     long x = strtol(in, &end, 10);
     if (*end || end == in)
       return m3_errf(e, M3_KEY, "key '%s': %s=%s is not an integer", keytext, a->name, in);
+    if (errno == ERANGE || x > INT32_MAX || x < INT32_MIN) /* every integer axis is an int in C and in the kernels */
+      return m3_errf(e, M3_KEY, "key '%s': %s=%s is out of range (a 32-bit integer)", keytext, a->name, in);
     snprintf(out, M3_VAR_VALUE, "%ld", x);
   } else {
     snprintf(out, M3_VAR_VALUE, "%s", in);

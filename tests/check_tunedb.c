@@ -690,6 +690,31 @@ START_TEST(code_hash_decides_where_present) {
 }
 END_TEST
 
+/* A DB reached through a symlink (e.g. a shared tuning file) is updated at
+ * its target: the link stays a link, and the lock is the target's. */
+START_TEST(symlinked_db_updated_at_its_target) {
+  char *dir = tmpdir(), target[600], link[600];
+  snprintf(target, sizeof target, "%s/shared.json", dir);
+  snprintf(link, sizeof link, "%s/sm_90.json", dir);
+  m3_tunedb *db = m3_tunedb_new();
+  put_simple(db, "qknorm_rope(a=1)", "tokens=1", "warps=2");
+  save_ok(target, db);
+  ck_assert_int_eq(symlink("shared.json", link), 0);
+  m3_tunedb_free(db);
+  db = m3_tunedb_new();
+  put_simple(db, "qknorm_rope(a=2)", "tokens=1", "warps=4");
+  save_ok(link, db);
+  struct stat st;
+  ck_assert_int_eq(lstat(link, &st), 0);
+  ck_assert(S_ISLNK(st.st_mode));
+  m3_tunedb *back = load_ok(target, NULL, NULL);
+  ck_assert_uint_eq(m3_tunedb_count(back), 2);
+  m3_tunedb_free(back);
+  m3_tunedb_free(db);
+  rm_tree(dir);
+}
+END_TEST
+
 /* --rehash: records with a current template and no hash of this scheme get
  * their tile's; the file is edited in place under the lock (order, other
  * records and unknown fields kept); a garbled file is not touched. */
@@ -706,11 +731,13 @@ START_TEST(add_code_hashes_in_place) {
       "\"future\": [1], \"provenance\": {\"template_hash\": \"abc123\"}}]}\n";
   write_text(path, doc, strlen(doc));
   m3_tunedb_filter f = {.template_hash = hash_of, .code_hash = code_of, .code_scheme = "c1:"};
-  int given = -1, left = -1;
+  m3_rehash_report rr;
   m3_err e;
-  ck_assert_msg(m3_tunedb_add_code_hashes(path, &f, &given, &left, &e) == M3_OK, "%s", e.msg);
-  ck_assert_int_eq(given, 2);
-  ck_assert_int_eq(left, 2);
+  ck_assert_msg(m3_tunedb_add_code_hashes(path, &f, &rr, &e) == M3_OK, "%s", e.msg);
+  ck_assert_int_eq(rr.given, 2);
+  ck_assert_int_eq(rr.left, 2);
+  ck_assert_int_eq(rr.had, 1);
+  ck_assert_int_eq(rr.malformed, 0);
   m3_tunedb_report rep;
   m3_tunedb *db = load_ok(path, NULL, &rep);
   ck_assert_uint_eq(m3_tunedb_count(db), 5);
@@ -725,13 +752,14 @@ START_TEST(add_code_hashes_in_place) {
   /* Nothing left to give: the file is not rewritten. */
   struct stat st0, st1;
   ck_assert_int_eq(stat(path, &st0), 0);
-  ck_assert_int_eq(m3_tunedb_add_code_hashes(path, &f, &given, &left, &e), M3_OK);
-  ck_assert_int_eq(given, 0);
+  ck_assert_int_eq(m3_tunedb_add_code_hashes(path, &f, &rr, &e), M3_OK);
+  ck_assert_int_eq(rr.given, 0);
+  ck_assert_int_eq(rr.had, 3);
   ck_assert_int_eq(stat(path, &st1), 0);
   ck_assert(st0.st_ino == st1.st_ino);
   /* Garbled: an error naming the file, the bytes untouched. */
   write_text(path, "{\"format\": \"m3kit-tunedb\", \"vers", 31);
-  ck_assert_int_eq(m3_tunedb_add_code_hashes(path, &f, &given, &left, &e), M3_FORMAT);
+  ck_assert_int_eq(m3_tunedb_add_code_hashes(path, &f, &rr, &e), M3_FORMAT);
   ck_assert_ptr_nonnull(strstr(e.msg, path));
   rm_tree(dir);
 }
@@ -1067,6 +1095,7 @@ int main(void) {
   tcase_add_test(load, stale_records_ignored_with_one_message);
   tcase_add_test(load, code_hash_decides_where_present);
   tcase_add_test(load, add_code_hashes_in_place);
+  tcase_add_test(load, symlinked_db_updated_at_its_target);
   tcase_add_test(load, unknown_fields_tolerated_and_kept);
   tcase_add_test(load, malformed_records_skipped_and_counted);
   tcase_add_test(load, newer_version_ignored_not_overwritten);

@@ -33,7 +33,8 @@ static void help(void) {
       "  -j, --jobs N           parallel NVRTC compilations for --all (default: all cores)\n"
       "  --help\n\n"
       "KEY is a variant key, e.g. 'qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=e4m3,nq=64,nkv=4,niq=4,hd=128,rot=64,bs=128)'\n"
-      "optionally followed by a tile '[warps=4,hpw=1]' and an arch '@sm_90'.\n");
+      "optionally followed by a tile naming every tile axis, '[warps=4,hpw=1,lph=32]', and an arch '@sm_90'\n"
+      "(--tiles KEY lists the tiles; an arch in KEY and --arch must agree).\n");
 }
 
 static double now_s(void) {
@@ -58,9 +59,15 @@ static void inspect(const m3_source *src, const char *arch) {
   free(log);
 }
 
-static int prepare(m3_jit *j, const char *text, const char *arch, m3_variant *v, m3_err *e, int want_tile) {
+/* arch_given: --arch was on the command line (else `arch` is the default). */
+static int prepare(m3_jit *j, const char *text, const char *arch, int arch_given, m3_variant *v, m3_err *e,
+                   int want_tile) {
   m3_status s = m3_render_parse_key(j->lua, text, v, e);
   if (s != M3_OK) return cli_fail("gen", s, e);
+  if (v->arch[0] && arch_given && strcmp(v->arch, arch)) {
+    fprintf(stderr, "m3kit gen: the key names @%s and --arch says %s: give the arch once\n", v->arch, arch);
+    return 2;
+  }
   if (!v->arch[0]) snprintf(v->arch, sizeof v->arch, "%s", arch);
   if (want_tile && !v->n_tile && (s = m3_render_default_tile(j->lua, v, e)) != M3_OK) return cli_fail("gen", s, e);
   return 0;
@@ -75,7 +82,7 @@ int cmd_gen(int argc, char **argv) {
       {"preset", required_argument, 0, 'p'},{"model", required_argument, 0, 'm'},
       {"jobs", required_argument, 0, 'j'},  {"cubin", required_argument, 0, 'C'},
       {"help", no_argument, 0, 'h'},        {0, 0, 0, 0}};
-  int action = 'l', chosen = 0, every = 0, c, jobs_n = (int)sysconf(_SC_NPROCESSORS_ONLN);
+  int action = 'l', chosen = 0, every = 0, arch_given = 0, c, jobs_n = (int)sysconf(_SC_NPROCESSORS_ONLN);
   const char *key = NULL, *archs = "sm_90", *preset = "minimax-m3", *model = NULL, *cubin_out = NULL;
   optind = 1;
   while ((c = getopt_long(argc, argv, "hj:", opts, NULL)) != -1) {
@@ -90,7 +97,7 @@ int cmd_gen(int argc, char **argv) {
         break;
       case 'E': every = 1; break;
       case 'C': cubin_out = optarg; break;
-      case 'A': archs = optarg; break;
+      case 'A': archs = optarg, arch_given = 1; break;
       case 'p': preset = optarg; break;
       case 'm': model = optarg; break;
       case 'j': {
@@ -160,7 +167,7 @@ int cmd_gen(int argc, char **argv) {
     }
   } else if (action == 'e' || action == 'c') {
     m3_variant v;
-    if ((rc = prepare(&j, key, arch, &v, &e, 1)) == 0) {
+    if ((rc = prepare(&j, key, arch, arch_given, &v, &e, 1)) == 0) {
       m3_source src;
       if ((s = m3_render_source(j.lua, &v, &src, &e)) != M3_OK) rc = cli_fail("gen", s, &e);
       else if (action == 'e') fputs(src.text, stdout);
@@ -187,15 +194,23 @@ int cmd_gen(int argc, char **argv) {
   } else if (action == 't') {
     m3_variant v, *tiles = NULL;
     int n = 0;
-    if ((rc = prepare(&j, key, arch, &v, &e, 0)) == 0) {
+    if ((rc = prepare(&j, key, arch, arch_given, &v, &e, 0)) == 0) {
       if ((s = m3_render_tiles(j.lua, &v, &tiles, &n, &e)) != M3_OK) rc = cli_fail("gen", s, &e);
+      m3_variant dv = v; /* the template's default, marked in the list */
+      char deft[512] = "";
+      m3_err de;
+      if (m3_render_default_tile(j.lua, &dv, &de) == M3_OK) m3_variant_print_tile(&dv, deft, sizeof deft);
+      int nvalid = 0;
       for (int i = 0; i < n; i++) {
         char t[512], why[512];
         m3_variant_print_tile(&tiles[i], t, sizeof t);
         m3_err ve;
         s = m3_render_valid(j.lua, &tiles[i], why, sizeof why, &ve);
-        printf("  [%s]  %s%s%s\n", t, s == M3_OK ? "VALID" : "INVALID", s == M3_OK ? "" : ": ", s == M3_OK ? "" : why);
+        nvalid += s == M3_OK;
+        printf("  [%s]  %s%s%s%s\n", t, s == M3_OK ? "VALID" : "INVALID", s == M3_OK ? "" : ": ", s == M3_OK ? "" : why,
+               strcmp(t, deft) ? "" : "  (default)");
       }
+      printf("%d of %d tiles valid for %s\n", nvalid, n, v.arch);
       free(tiles);
     }
   } else { /* --list / --all */
@@ -276,7 +291,7 @@ int cmd_gen(int argc, char **argv) {
       }
     }
     if (rc) ;
-    else if (action == 'l') printf("%d variants\n", total);
+    else if (action == 'l') fprintf(stderr, "%d variants\n", total); /* stdout: keys only, a line each */
     else
     {
       printf("%d kernels for %s: %d compiled, %d from the cubin cache, %d tiles rejected by valid(); %.1f s on %d threads\n",

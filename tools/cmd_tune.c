@@ -1,9 +1,11 @@
 /* cmd_tune.c - `m3kit tune`: tune once per GPU, show the DB, plot it. */
+#include <errno.h>
 #include <getopt.h>
 #include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -27,7 +29,8 @@ static void help(void) {
          "  --shapes SPEC      restrict buckets, e.g. 'tokens=1,64'\n"
          "  --budget SECONDS   stop starting new shapes after this long\n"
          "  --reps N           timed launches per candidate (default 20, minimum 20)\n"
-         "  --db FILE          write this DB file instead of the cache's\n"
+         "  --db FILE          the DB file to write (tuning) or read (--show, --plot, --rehash) instead of\n"
+         "                     the cache's\n"
          "  --show             print the tuning DB of this GPU's arch (or --arch) and exit\n"
          "  --plot DIR         write PNG plots (gnuplot) of time against tile and exit\n"
          "  --arch SM          arch for --show/--plot/--rehash without a GPU (default: the GPU's, else sm_90)\n"
@@ -75,8 +78,14 @@ static int run_gnuplot(const char *dir, int n) {
 static int db_file(const char *arch, const char *db_path, char *path, size_t n) {
   m3_err e;
   if (db_path) {
-    if (access(db_path, R_OK) != 0) {
-      fprintf(stderr, "m3kit tune: --db %s: cannot read it\n", db_path);
+    struct stat st;
+    if (stat(db_path, &st) != 0 || access(db_path, R_OK) != 0) {
+      fprintf(stderr, "m3kit tune: --db %s: cannot read it: %s\n", db_path, strerror(errno));
+      return 1;
+    }
+    if (!S_ISREG(st.st_mode)) {
+      fprintf(stderr, "m3kit tune: --db %s: not a regular file (a tuning DB is one JSON file, e.g. "
+                      "~/.cache/m3kit/tuning/sm_90.json)\n", db_path);
       return 1;
     }
     snprintf(path, n, "%s", db_path);
@@ -97,12 +106,15 @@ static int rehash(const char *arch, const char *db_path) {
   m3_tuning_hash_ctx th = {.lua = L};
   m3_tunedb_filter f;
   m3_tuning_filter_init(&f, &th, NULL, NULL);
-  int given = 0, left = 0;
-  m3_status s = m3_tunedb_add_code_hashes(path, &f, &given, &left, &e);
+  m3_rehash_report r;
+  m3_status s = m3_tunedb_add_code_hashes(path, &f, &r, &e);
   m3_lua_close(L);
   if (s != M3_OK) return cli_fail("tune", s, &e);
-  printf("%s: %d records given the code hash of their tile; %d without a current template or tile left as they "
-         "were\n", path, given, left);
+  printf("%s: %d records given the code hash of their tile%s; %d had one already; %d stale (their template "
+         "changed or their tile no longer renders: re-run 'm3kit tune'), left as they were",
+         path, r.given, r.given ? "" : " (file not rewritten)", r.had, r.left);
+  if (r.malformed) printf("; %d malformed, left as they were (first: record %d)", r.malformed, r.first_malformed);
+  printf("\n");
   return 0;
 }
 
@@ -120,6 +132,23 @@ static int show_or_plot(const char *arch, const char *plot_dir, const char *db_p
   }
   printf("tuning DB %s: %zu records\n", path, m3_tunedb_count(db));
   if (rep.summary[0]) printf("  %s\n", rep.summary); /* what the load skipped or ignored, and why */
+  if (s == M3_OK) { /* which of them this build would use: the runtime's filter (the driver not checked) */
+    m3_lua *L;
+    m3_err le;
+    if (m3_lua_open(&L, &le) == M3_OK) {
+      m3_tuning_hash_ctx hc = {.lua = L};
+      m3_tunedb_filter f;
+      m3_tuning_filter_init(&f, &hc, arch, NULL);
+      m3_tunedb *fdb = m3_tunedb_new();
+      m3_tunedb_report frep;
+      memset(&frep, 0, sizeof frep);
+      if (fdb && m3_tunedb_load(fdb, path, NULL, &f, &frep, &le) == M3_OK)
+        printf("  this m3kit would use %d of them for %s%s%s\n", frep.loaded, arch, frep.summary[0] ? "; " : "",
+               frep.summary);
+      m3_tunedb_free(fdb);
+      m3_lua_close(L);
+    }
+  }
   int rc = 0;
   if (plot_dir) {
     int n = 0;
@@ -222,6 +251,10 @@ int cmd_tune(int argc, char **argv) {
       return 2;
     }
     p = c ? c + 1 : p + strlen(p);
+  }
+  if (show + !!plot + do_rehash > 1) {
+    fprintf(stderr, "m3kit tune: give one of --show, --plot, --rehash\n");
+    return 2;
   }
   if (show || plot || do_rehash) {
     m3_device d;

@@ -775,7 +775,8 @@ end
 function A.valid_common(k, t, arch)
   if m3.sm(arch) < 80 then return false, "needs sm_80+ (mma.sync bf16, cvt bf16x2)" end
   if k.hd ~= 128 then return false, "head_dim must be 128 (8 mma k-steps; fragment layout)" end
-  if k.nq < 1 or k.nkv < 1 or k.nq % k.nkv ~= 0 then return false, "nkv must divide nq" end
+  if k.nq < 1 or k.nkv < 1 then return false, "nq and nkv (query and KV heads) must be positive" end
+  if k.nq % k.nkv ~= 0 then return false, "nkv must divide nq" end
   if k.nq // k.nkv > 16 then return false, "GQA group nq/nkv must be <= 16 (the mma's M rows)" end
   if k.bs < 16 or k.bs % 16 ~= 0 then return false, "block size must be a positive multiple of 16 (16-key tiles never straddle a page)" end
   if k.mode == "prefill" and t.ctas ~= 1 then
