@@ -19,6 +19,7 @@ T.tiles = {
   {"warps", {1, 2, 4, 8}},
   {"ctas", {1, 2, 4}},
   {"depth", {1, 2}},               -- decode: K/V tiles in flight a warp (lib/attn_mma.lua attend)
+  {"cvt", {"alu", "hw"}},          -- e4m3 cache -> fp16: bit moves, or cvt.rn.f16x2.e4m3x2
 }
 
 function T.valid(k, t, arch)
@@ -31,8 +32,8 @@ end
 -- (64 KiB per SM, about twice what 4.28 TB/s x ~1 us of latency needs), and
 -- the merging CTA reads only 33 partials (264 KiB) with 256 threads.
 function T.default_tile(k, arch)
-  if k.mode == "decode" then return {warps = 8, ctas = 1, depth = 1} end
-  return {warps = 4, ctas = 1, depth = 1}
+  if k.mode == "decode" then return {warps = 8, ctas = 1, depth = 1, cvt = "alu"} end
+  return {warps = 4, ctas = 1, depth = 1, cvt = "alu"}
 end
 
 function T.variants(c)

@@ -20,6 +20,7 @@ T.tiles = {
   {"warps", {1, 2, 4, 8}},          -- warps per CTA: decode - sharing a split; prefill - tokens per CTA
   {"ctas", {1, 2, 4}},              -- decode: split-K target CTAs per SM (fill the GPU at batch 1)
   {"depth", {1, 2}},                -- decode: K/V tiles in flight a warp (lib/attn_mma.lua attend)
+  {"cvt", {"alu", "hw"}},           -- e4m3 cache -> fp16: bit moves, or cvt.rn.f16x2.e4m3x2
 }
 
 function T.valid(k, t, arch)
@@ -34,8 +35,8 @@ end
 -- CTAs), each CTA has its whole 64 KiB in flight at once, and the merging CTA
 -- reads only 16 partials (128 KiB) per head.
 function T.default_tile(k, arch)
-  if k.mode == "decode" then return {warps = 8, ctas = 1, depth = 1} end
-  return {warps = 4, ctas = 1, depth = 1}
+  if k.mode == "decode" then return {warps = 8, ctas = 1, depth = 1, cvt = "alu"} end
+  return {warps = 4, ctas = 1, depth = 1, cvt = "alu"}
 end
 
 function T.variants(c)

@@ -411,8 +411,10 @@ END_TEST
  * same tiles in the same order with the same arithmetic for every depth, so
  * depth 2 is bitwise depth 1, for warps that get 0, 1, 2 or many 16-key tiles
  * (the ring's first empty slot ends it), and both match the reference; a
- * tile of depth 2 with a bf16 cache is invalid (its ring would spill). */
-START_TEST(decode_ring_depths_agree) {
+ * tile of depth 2 with a bf16 cache is invalid (its ring would spill).  The
+ * e4m3 conversion (tile cvt) is exact both ways: cvt=hw is bitwise cvt=alu,
+ * at either depth. */
+START_TEST(decode_ring_depths_and_cvt_agree) {
   const int sparse = _i & 1, kv8 = 1; /* depth 2 is for the e4m3 cache (valid()) */
   const int lens[] = {1, 15, 16, 17, 33, 64, 65, 300, 1000};
   prob p;
@@ -423,12 +425,25 @@ START_TEST(decode_ring_depths_agree) {
   const size_t n = (size_t)p.n_tokens * TINY.nq * HD;
   const int warps[] = {1, 2, 8};
   for (int w = 0; w < 3; w++) {
-    char t1[64], t2[64], c1[M3_KEY_MAX], c2[M3_KEY_MAX];
-    snprintf(t1, sizeof t1, "warps=%d,ctas=1,depth=1", warps[w]);
-    snprintf(t2, sizeof t2, "warps=%d,ctas=1,depth=2", warps[w]);
+    char t1[64], c1[M3_KEY_MAX];
+    snprintf(t1, sizeof t1, "warps=%d,ctas=1,depth=1,cvt=alu", warps[w]);
     m3_bf16 *a = prob_gpu(&p, sparse, M3_ATTN_DECODE, t1, c1, sizeof c1);
-    m3_bf16 *b = prob_gpu(&p, sparse, M3_ATTN_DECODE, t2, c2, sizeof c2);
-    expect_close(b, ref, n, "depth 2", c2);
+    expect_close(a, ref, n, "depth 1", c1);
+    static const char *const other[] = {"depth=2,cvt=alu", "depth=1,cvt=hw", "depth=2,cvt=hw"};
+    for (int o = 0; o < 3; o++) {
+      char t2[64], c2[M3_KEY_MAX];
+      snprintf(t2, sizeof t2, "warps=%d,ctas=1,%s", warps[w], other[o]);
+      m3_bf16 *b = prob_gpu(&p, sparse, M3_ATTN_DECODE, t2, c2, sizeof c2);
+      ck_assert_msg(!memcmp(a, b, n * 2), "%s: differs from %s", c2, c1);
+      free(b);
+    }
+    free(a);
+  }
+  { /* the prefill schedule's conversion too */
+    char c1[M3_KEY_MAX], c2[M3_KEY_MAX];
+    m3_bf16 *a = prob_gpu(&p, sparse, M3_ATTN_PREFILL, "warps=4,ctas=1,depth=1,cvt=alu", c1, sizeof c1);
+    m3_bf16 *b = prob_gpu(&p, sparse, M3_ATTN_PREFILL, "warps=4,ctas=1,depth=1,cvt=hw", c2, sizeof c2);
+    expect_close(a, ref, n, "prefill", c1);
     ck_assert_msg(!memcmp(a, b, n * 2), "%s: differs from %s", c2, c1);
     free(a);
     free(b);
@@ -440,7 +455,7 @@ START_TEST(decode_ring_depths_agree) {
   ck_assert_int_eq(sparse ? m3_attn_sparse_key(&a, M3_ATTN_DECODE, &v, &e) : m3_attn_dense_key(&a, M3_ATTN_DECODE, &v, &e),
                    M3_OK);
   snprintf(v.arch, sizeof v.arch, "%s", g_rt.dev.arch);
-  ck_assert_int_eq(m3_variant_parse_tile(&v, "warps=8,ctas=1,depth=2", &e), M3_OK);
+  ck_assert_int_eq(m3_variant_parse_tile(&v, "warps=8,ctas=1,depth=2,cvt=alu", &e), M3_OK);
   ck_assert_int_eq(m3_render_valid(g_rt.jit.lua, &v, NULL, 0, &e), M3_TILE);
   free(ref);
   prob_free(&p);
@@ -525,7 +540,7 @@ static Suite *make(void) {
   tcase_add_loop_test(tc, fault15_pages_past_2GiB, 0, 4);
   tcase_add_loop_test(tc, prefill_chunk_with_context, 0, 4);
   tcase_add_loop_test(tc, small_gqa_group, 0, 4);
-  tcase_add_loop_test(tc, decode_ring_depths_agree, 0, 2);
+  tcase_add_loop_test(tc, decode_ring_depths_and_cvt_agree, 0, 2);
   tcase_add_loop_test(tc, every_valid_tile_same_answer, 0, 8);
   tcase_add_test(tc, launch_rejects_bad_arguments);
   suite_add_tcase(s, tc);

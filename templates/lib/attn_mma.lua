@@ -630,8 +630,8 @@ A.tile_step = [[
       for (int nt = 0; nt < 2; nt++) {
 #if KV_E4M3
         const unsigned w = w4($KR[nt][ks >> 2], ks & 3);
-        mma(s[nt], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], e4m3x2_f16(prmt(w, w, 0x1000u)),
-            e4m3x2_f16(prmt(w, w, 0x3020u)));
+        mma(s[nt], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], $KLO,
+            $KHI);
 #else
         mma(s[nt], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], w4($KR[nt][ks >> 1], 2 * (ks & 1)),
             w4($KR[nt][ks >> 1], 2 * (ks & 1) + 1));
@@ -685,9 +685,9 @@ A.tile_step = [[
       o[j][2] *= corr[1]; o[j][3] *= corr[1];
 #if KV_E4M3
       const int wi = j >> 2, bi = j & 3;
-      const unsigned sl = (unsigned)(bi | bi << 4 | (4 + bi) << 8 | (4 + bi) << 12);
-      const unsigned b0 = e4m3x2_f16(prmt(w4($VR[0][0], wi), w4($VR[1][0], wi), sl));
-      const unsigned b1 = e4m3x2_f16(prmt(w4($VR[2][0], wi), w4($VR[3][0], wi), sl));
+      const unsigned sl = $VSEL;
+      const unsigned b0 = $VCVT(prmt(w4($VR[0][0], wi), w4($VR[1][0], wi), sl));
+      const unsigned b1 = $VCVT(prmt(w4($VR[2][0], wi), w4($VR[3][0], wi), sl));
 #else
       const int h = j >> 3, wi = (j & 7) >> 1;
       const unsigned sl = (j & 1) ? 0x7632u : 0x5410u;
@@ -699,11 +699,49 @@ A.tile_step = [[
     if ($HAVE) load_v($VR, $BASE, $NV, gl, tq);
 ]]
 
-local function step_text(kr, vr, nv, have, base)
-  return (A.tile_step:gsub("%$(%u+)", {KR = kr, VR = vr, NV = nv, HAVE = have, BASE = base}))
+-- e4m3 -> f16 of the K and V pairs (e4m3 caches; bf16 ignores them): cvt=alu
+-- pairs the codes in bytes 1 and 3 with a prmt and decodes them by bit moves
+-- (e4m3x2_f16); cvt=hw takes a pair from a 16-bit half as it lies and runs
+-- cvt.rn.f16x2.e4m3x2 (sm_89+), one instruction a pair where alu needs five.
+-- Both are exact, so they give the same results bit for bit (only the NaN
+-- codes, which the saturating insert never writes, decode differently).
+local CVT = {
+  alu = {KLO = "e4m3x2_f16(prmt(w, w, 0x1000u))", KHI = "e4m3x2_f16(prmt(w, w, 0x3020u))",
+         VSEL = "(unsigned)(bi | bi << 4 | (4 + bi) << 8 | (4 + bi) << 12)", VCVT = "e4m3x2_f16"},
+  hw = {KLO = "e4m3lo_f16x2(w)", KHI = "e4m3hi_f16x2(w)", VSEL = "(unsigned)(bi | (4 + bi) << 4)",
+        VCVT = "e4m3lo_f16x2"},
+}
+A.cvt_hw = [[
+/* The two e4m3 codes of x's low (high) 16 bits, the higher byte in the high
+ * half, as f16x2: exact (e4m3 is a subset of fp16). */
+M3_DEV unsigned e4m3lo_f16x2(unsigned x) {
+#ifdef __CUDA_ARCH__
+  unsigned d;
+  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(d) : "r"(x));
+  return d;
+#else
+  return (unsigned)emu_f2h(e4m3_to_f32((e4m3_t)(x & 0xffu))) |
+         ((unsigned)emu_f2h(e4m3_to_f32((e4m3_t)((x >> 8) & 0xffu))) << 16);
+#endif
+}
+M3_DEV unsigned e4m3hi_f16x2(unsigned x) {
+#ifdef __CUDA_ARCH__
+  unsigned d;
+  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, hi; }" : "=r"(d) : "r"(x));
+  return d;
+#else
+  return e4m3lo_f16x2(x >> 16);
+#endif
+}
+]]
+
+local function step_text(cvt, kr, vr, nv, have, base)
+  local sub = {KR = kr, VR = vr, NV = nv, HAVE = have, BASE = base}
+  for k, v in pairs(CVT[cvt]) do sub[k] = v end
+  return (A.tile_step:gsub("%$(%u+)", sub))
 end
 
-A.attend = [[
+local ATTEND_HEAD = [[
 /* Online softmax over the tiles of one warp: m (running max, log2 units), l
  * (this lane's share of the running sum; the quad's 4 lanes add up at the
  * end) for rows gl and gl+8, o the unnormalised output fragments.  Loads of
@@ -721,13 +759,13 @@ M3_DEV void attend(const kv_ctx &c, i64 f, i64 fend, int step, const unsigned (&
     load_v(vr, base, nv, gl, tq);
   }
   while (have) {
-]] .. step_text("kr", "vr", "nv", "have", "base") .. [[
+]]
+local ATTEND_TAIL = [[
   }
 }
 
 ]]
-
-A.ring = [[
+local RING_HEAD = [[
 /* The same tiles in the same order with the same arithmetic as attend() (one
  * tile step, emitted into both), so its result is attend()'s, bit for bit;
  * only the loads run further ahead.  D K/V buffers form a ring: slot d holds
@@ -757,11 +795,22 @@ M3_DEV void attend_ring(const kv_ctx &c, i64 f, i64 fend, int step, const unsign
 #pragma unroll
     for (int d = 0; d < D; d++) {
     if (!have[d]) return;
-]] .. step_text("kr[d]", "vr[d]", "nv[d]", "have[d]", "base[d]") .. [[
+]]
+local RING_TAIL = [[
     }
   }
 }
 ]]
+
+-- The device functions a tile's kernel calls: attend() always (prefill and
+-- depth=1 decode), attend_ring<D>() too for depth > 1, and for cvt=hw the
+-- conversion helpers in front of them.
+function A.attend_fns(depth, cvt)
+  local t = ATTEND_HEAD .. step_text(cvt, "kr", "vr", "nv", "have", "base") .. ATTEND_TAIL
+  if depth > 1 then t = t .. RING_HEAD .. step_text(cvt, "kr[d]", "vr[d]", "nv[d]", "have[d]", "base[d]") .. RING_TAIL end
+  if cvt == "hw" then t = A.cvt_hw .. t end
+  return t
+end
 
 -- Dynamic shared memory of a tile (bytes): decode merges NW warps' fp32
 -- outputs (and later reuses the area for the split factors); prefill stages
@@ -785,6 +834,8 @@ function A.valid_common(k, t, arch)
   if k.mode == "prefill" and t.depth ~= 1 then
     return false, "depth (K/V tiles in flight a warp) applies to decode only: use depth=1 for prefill"
   end
+  if t.cvt == "hw" and k.kv ~= "e4m3" then return false, "cvt=hw converts e4m3 only: a bf16 cache needs no conversion (cvt=alu)" end
+  if t.cvt == "hw" and m3.sm(arch) < 89 then return false, "cvt.rn.f16x2.e4m3x2 needs sm_89+" end
   if t.depth ~= 1 and k.kv ~= "e4m3" then
     return false, "depth=2 is for the e4m3 cache (half the bytes a tile): with bf16 the ring needs over 255 registers a thread (spills)"
   end
@@ -796,7 +847,7 @@ function A.render(k, t, arch, sym, sparse, topk)
   local v = {
     nq = k.nq, nkv = k.nkv, bs = k.bs, topk = topk, sparse = sparse and 1 or 0,
     decode = decode and 1 or 0, kv_e4m3 = k.kv == "e4m3" and 1 or 0, warps = t.warps, sym = sym,
-    attend_fns = t.depth > 1 and A.attend .. A.ring or A.attend,
+    attend_fns = A.attend_fns(t.depth, t.cvt),
     attend = t.depth > 1 and ("attend_ring<" .. t.depth .. ">") or "attend",
   }
   local src = A.body:gsub("%$([%w_]+)", function(n)
