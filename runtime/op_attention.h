@@ -117,7 +117,12 @@ m3_status m3_launch_attn_sparse(const m3_kernel *k, const m3_attn_args *a, const
 
 /* Dense causal GQA (§6.3) with kernel k from m3_attn_dense_key: the device
  * counterpart of m3_ref_dense_attention.  Arguments as above, without sel.
- * Errors: those of m3_attn_prepare, M3_CUDA. */
+ * A decode tile with lead=1 reads b's token_seq, positions, seq_lens and
+ * block table before its grid wait, while kernels launched before it on
+ * `stream` may still run (programmatic dependent launch, templates/lib/
+ * lead.lua): no kernel on `stream` since its last host-ordered point may
+ * write them.  The decode step uploads them with host copies before its
+ * first kernel.  Errors: those of m3_attn_prepare, M3_CUDA. */
 m3_status m3_launch_attn_dense(const m3_kernel *k, const m3_attn_args *a, const m3_seq_batch *b,
                                int64_t max_kv_len, int sm_count, const void *q, const void *kv_cache, void *out,
                                void *ws, size_t ws_bytes, cudaStream_t stream, m3_err *e);

@@ -20,6 +20,8 @@ T.tiles = {
   {"ctas", {1, 2, 4}},
   {"depth", {1, 2}},               -- decode: K/V tiles in flight a warp (lib/attn_mma.lua attend)
   {"cvt", {"alu", "hw"}},          -- e4m3 cache -> fp16: bit moves, or cvt.rn.f16x2.e4m3x2
+  {"lead", {0, 1}},                -- decode: 1 = the token's metadata and an L2 prefetch of its first tiles before
+                                   -- the grid wait (lib/attn_mma.lua; attn_sparse has no such tile: it reads sel first)
 }
 
 function T.valid(k, t, arch)
@@ -32,8 +34,8 @@ end
 -- (64 KiB per SM, about twice what 4.28 TB/s x ~1 us of latency needs), and
 -- the merging CTA reads only 33 partials (264 KiB) with 256 threads.
 function T.default_tile(k, arch)
-  if k.mode == "decode" then return {warps = 8, ctas = 1, depth = 1, cvt = "alu"} end
-  return {warps = 4, ctas = 1, depth = 1, cvt = "alu"}
+  if k.mode == "decode" then return {warps = 8, ctas = 1, depth = 1, cvt = "alu", lead = 0} end
+  return {warps = 4, ctas = 1, depth = 1, cvt = "alu", lead = 0}
 end
 
 function T.variants(c)

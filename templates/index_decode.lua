@@ -37,9 +37,10 @@
 -- writes the answer directly.  Latency outside the stream: three dependent
 -- loads before it (token/position, block table, keys) and three after it
 -- (counter, split maxima, survivors' lists); tile lead=1 moves the first two
--- and an L2 prefetch of the first keys ahead of the grid wait (LEAD_DEFS).
+-- and an L2 prefetch of the first keys ahead of the grid wait (lib/lead.lua).
 local P = m3.include("lib/prelude")
 local I = m3.include("lib/indexer")
+local LEAD = m3.include("lib/lead")
 
 local T = {}
 T.name = "index_decode"
@@ -521,33 +522,14 @@ local PRE = {
 ]],
 }
 
--- Lead-in (tile lead=1).  Under programmatic dependent launch this grid's CTAs
--- are resident while the previous kernel (qk-norm + RoPE, which writes the
--- index query and the new index-K rows) still runs, and the kernel before
--- that has completed.  So the split's metadata - token, position, visible
--- length, its block-table entries, three dependent round trips - is read
--- before the wait, and the first keys each warp streams are prefetched into
--- L2 (coherent with any write, so safe even for rows this step inserts).
--- After the wait: the query, the scores.  The contract (the launcher's
--- header): no kernel of the stream writes token_seq, positions or the block
--- table; the decode step uploads them with host copies before its first
--- kernel.
-local LEAD_DEFS = [[
-/* A kernel's lead-in: statements before M3_GRID_WAIT() that read only launch
- * inputs no kernel of the stream writes (tests/check_jit.c). */
-#define M3_LEAD_IN ((void)0)
-/* bytes (a multiple of 16, 16-byte aligned) at p into L2; no architectural
- * effect (the emulator has no cache). */
-M3_DEV void prefetch_l2(const void *p, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#else
-  (void)p, (void)bytes;
-#endif
-}
-]]
+-- Lead-in (tile lead=1, lib/lead.lua).  This grid's CTAs are resident while
+-- the previous kernel (qk-norm + RoPE, which writes the index query and the
+-- new index-K rows) still runs.  So the split's metadata - token, position,
+-- visible length, its block-table entries, three dependent round trips - is
+-- read before the wait, and the first keys each warp streams are prefetched
+-- into L2.  After the wait: the query, the scores.
 local LEAD_IN = [[
-  M3_LEAD_IN; /* launch inputs only until the wait: see LEAD_DEFS in templates/index_decode.lua */
+  M3_LEAD_IN; /* launch inputs only until the wait (lib/lead.lua) */
 ]]
 local LEAD_PREFETCH = [[
   __syncthreads(); /* s_page */
@@ -571,7 +553,7 @@ function T.render(k, t, arch, sym)
   local v = {
     heads = k.heads, bs = k.bs, topk = k.topk, init = k.init, ["local"] = k["local"],
     e4m3 = e4 and 1 or 0, warps = t.warps, depth = t.depth, sym = sym,
-    prologue = prologue(t.lead), lead_defs = t.lead == 1 and LEAD_DEFS or "",
+    prologue = prologue(t.lead), lead_defs = t.lead == 1 and LEAD.defs or "",
   }
   local src = body:gsub("%$([%w_]+)", function(n)
     if v[n] == nil then error("index_decode: no value for $" .. n) end

@@ -413,7 +413,7 @@ END_TEST
  * (the ring's first empty slot ends it), and both match the reference; a
  * tile of depth 2 with a bf16 cache is invalid (its ring would spill).  The
  * e4m3 conversion (tile cvt) is exact both ways: cvt=hw is bitwise cvt=alu,
- * at either depth. */
+ * at either depth; and the dense decode's lead-in (lead=1) changes no result. */
 START_TEST(decode_ring_depths_and_cvt_agree) {
   const int sparse = _i & 1, kv8 = 1; /* depth 2 is for the e4m3 cache (valid()) */
   const int lens[] = {1, 15, 16, 17, 33, 64, 65, 300, 1000};
@@ -424,15 +424,17 @@ START_TEST(decode_ring_depths_and_cvt_agree) {
   m3_bf16 *ref = prob_ref(&p, sparse);
   const size_t n = (size_t)p.n_tokens * TINY.nq * HD;
   const int warps[] = {1, 2, 8};
+  const char *lead0 = sparse ? "" : ",lead=0"; /* attn_sparse has no lead-in */
   for (int w = 0; w < 3; w++) {
     char t1[64], c1[M3_KEY_MAX];
-    snprintf(t1, sizeof t1, "warps=%d,ctas=1,depth=1,cvt=alu", warps[w]);
+    snprintf(t1, sizeof t1, "warps=%d,ctas=1,depth=1,cvt=alu%s", warps[w], lead0);
     m3_bf16 *a = prob_gpu(&p, sparse, M3_ATTN_DECODE, t1, c1, sizeof c1);
     expect_close(a, ref, n, "depth 1", c1);
     static const char *const other[] = {"depth=2,cvt=alu", "depth=1,cvt=hw", "depth=2,cvt=hw"};
-    for (int o = 0; o < 3; o++) {
+    for (int o = 0; o < 3 + !sparse; o++) { /* dense: the lead-in too (its reads before the wait change nothing) */
       char t2[64], c2[M3_KEY_MAX];
-      snprintf(t2, sizeof t2, "warps=%d,ctas=1,%s", warps[w], other[o]);
+      if (o < 3) snprintf(t2, sizeof t2, "warps=%d,ctas=1,%s%s", warps[w], other[o], lead0);
+      else snprintf(t2, sizeof t2, "warps=%d,ctas=1,depth=2,cvt=hw,lead=1", warps[w]);
       m3_bf16 *b = prob_gpu(&p, sparse, M3_ATTN_DECODE, t2, c2, sizeof c2);
       ck_assert_msg(!memcmp(a, b, n * 2), "%s: differs from %s", c2, c1);
       free(b);
@@ -441,8 +443,11 @@ START_TEST(decode_ring_depths_and_cvt_agree) {
   }
   { /* the prefill schedule's conversion too */
     char c1[M3_KEY_MAX], c2[M3_KEY_MAX];
-    m3_bf16 *a = prob_gpu(&p, sparse, M3_ATTN_PREFILL, "warps=4,ctas=1,depth=1,cvt=alu", c1, sizeof c1);
-    m3_bf16 *b = prob_gpu(&p, sparse, M3_ATTN_PREFILL, "warps=4,ctas=1,depth=1,cvt=hw", c2, sizeof c2);
+    char t1[64], t2[64];
+    snprintf(t1, sizeof t1, "warps=4,ctas=1,depth=1,cvt=alu%s", lead0);
+    snprintf(t2, sizeof t2, "warps=4,ctas=1,depth=1,cvt=hw%s", lead0);
+    m3_bf16 *a = prob_gpu(&p, sparse, M3_ATTN_PREFILL, t1, c1, sizeof c1);
+    m3_bf16 *b = prob_gpu(&p, sparse, M3_ATTN_PREFILL, t2, c2, sizeof c2);
     expect_close(a, ref, n, "prefill", c1);
     ck_assert_msg(!memcmp(a, b, n * 2), "%s: differs from %s", c2, c1);
     free(a);
@@ -455,7 +460,8 @@ START_TEST(decode_ring_depths_and_cvt_agree) {
   ck_assert_int_eq(sparse ? m3_attn_sparse_key(&a, M3_ATTN_DECODE, &v, &e) : m3_attn_dense_key(&a, M3_ATTN_DECODE, &v, &e),
                    M3_OK);
   snprintf(v.arch, sizeof v.arch, "%s", g_rt.dev.arch);
-  ck_assert_int_eq(m3_variant_parse_tile(&v, "warps=8,ctas=1,depth=2,cvt=alu", &e), M3_OK);
+  ck_assert_int_eq(m3_variant_parse_tile(&v, sparse ? "warps=8,ctas=1,depth=2,cvt=alu" : "warps=8,ctas=1,depth=2,cvt=alu,lead=0",
+                                         &e), M3_OK);
   ck_assert_int_eq(m3_render_valid(g_rt.jit.lua, &v, NULL, 0, &e), M3_TILE);
   free(ref);
   prob_free(&p);

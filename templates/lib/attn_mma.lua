@@ -35,6 +35,7 @@
 --   prefill - grid (token groups, nkv): each warp owns one query token and
 --             walks all its keys; the CTA's warps are consecutive tokens, so
 --             they read the same K/V tiles and mostly hit L1.
+local LEAD = m3.include("lib/lead")
 local A = {}
 
 A.body = [[
@@ -393,6 +394,7 @@ M3_DEV void st_bf16x4(bf16_t *p, float a, float b, float c, float d) {
   *(uint2 *)p = u;
 }
 
+$lead_defs
 extern "C" __global__ void __launch_bounds__(NW * 32)
 $sym(const bf16_t *__restrict__ q,          /* [N, NQ, HD] */
      const kv_t *__restrict__ kv,            /* [num_pages, NKV, BS, 2*HD] */
@@ -407,7 +409,7 @@ $sym(const bf16_t *__restrict__ q,          /* [N, NQ, HD] */
      float *__restrict__ part_o,             /* decode: [N, NKV, splits, GQ, HD] */
      float *__restrict__ part_ml,            /* decode: [N, NKV, splits, GQ, 2] (max, sum) */
      int chunk, int n_tokens, float scale2) {
-  M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
+$wait_top
   extern __shared__ __attribute__((aligned(16))) unsigned char smem_raw[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gl = lane >> 2, tq = lane & 3;
@@ -435,6 +437,7 @@ $sym(const bf16_t *__restrict__ q,          /* [N, NQ, HD] */
   if (s >= nsplit) return;                      /* whole CTA: no barrier skipped */
   const i64 cstart = (i64)s * chunk;
   const i64 cend = s == nsplit - 1 ? total : cstart + chunk;
+$wait_late
   load_q(qa, q, t, g, gl, tq);
   $attend(c, cstart + 16 * warp, cend, 16 * NW, qa, scale2, m, l, o, lane);
 
@@ -812,6 +815,24 @@ function A.attend_fns(depth, cvt)
   return t
 end
 
+-- The grid wait (lib/prelude.lua): first for lead=0; for lead=1 (dense
+-- decode, lib/lead.lua) after the token's view of the cache (its position,
+-- visible length and split: token_seq, positions, seq_lens) and an L2
+-- prefetch of each warp's first two tiles (block table, then K | V rows of 16
+-- keys, contiguous in a page), so that those dependent round trips overlap
+-- the previous kernel (qk-norm + RoPE, which writes q and the new K/V rows).
+local WAIT = "  M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */"
+local LEAD_IN = "  M3_LEAD_IN; /* launch inputs only until the wait (lib/lead.lua) */"
+local LEAD_WAIT = [[
+  { /* each warp's first two tiles into L2 */
+    i64 f = cstart + 16 * warp;
+    const kv_t *pb = 0;
+    int pn = 0;
+    for (int d = 0; d < 2 && next_tile(c, f, cend, 16 * NW, pb, pn); d++, f += 16 * NW)
+      if (lane == 0) prefetch_l2(pb, (unsigned)(16 * ROW * sizeof(kv_t)));
+  }
+  M3_GRID_WAIT(); /* q and the keys after it */]]
+
 -- Dynamic shared memory of a tile (bytes): decode merges NW warps' fp32
 -- outputs (and later reuses the area for the split factors); prefill stages
 -- each warp's bf16 output rows.
@@ -836,6 +857,8 @@ function A.valid_common(k, t, arch)
   end
   if t.cvt == "hw" and k.kv ~= "e4m3" then return false, "cvt=hw converts e4m3 only: a bf16 cache needs no conversion (cvt=alu)" end
   if t.cvt == "hw" and m3.sm(arch) < 89 then return false, "cvt.rn.f16x2.e4m3x2 needs sm_89+" end
+  if t.lead == 1 and k.mode ~= "decode" then return false, "lead=1 is for the decode schedule (prefill has no lead-in)" end
+  if t.lead == 1 and m3.sm(arch) < 90 then return false, "lead=1 overlaps the previous kernel through programmatic dependent launch (sm_90+)" end
   if t.depth ~= 1 and k.kv ~= "e4m3" then
     return false, "depth=2 is for the e4m3 cache (half the bytes a tile): with bf16 the ring needs over 255 registers a thread (spills)"
   end
@@ -848,6 +871,8 @@ function A.render(k, t, arch, sym, sparse, topk)
     nq = k.nq, nkv = k.nkv, bs = k.bs, topk = topk, sparse = sparse and 1 or 0,
     decode = decode and 1 or 0, kv_e4m3 = k.kv == "e4m3" and 1 or 0, warps = t.warps, sym = sym,
     attend_fns = A.attend_fns(t.depth, t.cvt),
+    wait_top = t.lead == 1 and LEAD_IN or WAIT, wait_late = t.lead == 1 and LEAD_WAIT or "",
+    lead_defs = t.lead == 1 and LEAD.defs or "", -- attn_sparse has no lead axis (t.lead nil): it reads sel first
     attend = t.depth > 1 and ("attend_ring<" .. t.depth .. ">") or "attend",
   }
   local src = A.body:gsub("%$([%w_]+)", function(n)
