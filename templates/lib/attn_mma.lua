@@ -711,29 +711,23 @@ A.tile_step = [[
 local CVT = {
   alu = {KLO = "e4m3x2_f16(prmt(w, w, 0x1000u))", KHI = "e4m3x2_f16(prmt(w, w, 0x3020u))",
          VSEL = "(unsigned)(bi | bi << 4 | (4 + bi) << 8 | (4 + bi) << 12)", VCVT = "e4m3x2_f16"},
-  hw = {KLO = "e4m3lo_f16x2(w)", KHI = "e4m3hi_f16x2(w)", VSEL = "(unsigned)(bi | (4 + bi) << 4)",
-        VCVT = "e4m3lo_f16x2"},
+  hw = {KLO = "e4m3x2_hw<0>(w)", KHI = "e4m3x2_hw<1>(w)", VSEL = "(unsigned)(bi | (4 + bi) << 4)",
+        VCVT = "e4m3x2_hw<0>"},
 }
 A.cvt_hw = [[
-/* The two e4m3 codes of x's low (high) 16 bits, the higher byte in the high
- * half, as f16x2: exact (e4m3 is a subset of fp16). */
-M3_DEV unsigned e4m3lo_f16x2(unsigned x) {
+/* The two e4m3 codes of half H of x (0: bits 0..15, 1: bits 16..31), the
+ * higher byte into the high half, as f16x2: exact (e4m3 is a subset of fp16). */
+template <int H>
+M3_DEV unsigned e4m3x2_hw(unsigned x) {
 #ifdef __CUDA_ARCH__
   unsigned d;
-  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(d) : "r"(x));
+  if (H) asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, hi; }" : "=r"(d) : "r"(x));
+  else asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(d) : "r"(x));
   return d;
 #else
+  x >>= 16 * H;
   return (unsigned)emu_f2h(e4m3_to_f32((e4m3_t)(x & 0xffu))) |
          ((unsigned)emu_f2h(e4m3_to_f32((e4m3_t)((x >> 8) & 0xffu))) << 16);
-#endif
-}
-M3_DEV unsigned e4m3hi_f16x2(unsigned x) {
-#ifdef __CUDA_ARCH__
-  unsigned d;
-  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, hi; }" : "=r"(d) : "r"(x));
-  return d;
-#else
-  return e4m3lo_f16x2(x >> 16);
 #endif
 }
 ]]
