@@ -662,6 +662,11 @@ typedef struct load_notes {
 } load_notes;
 
 /* The template name is the key's text before '(' (practice 4's key form). */
+/* A code hash of the filter's scheme (hashed by this build's normalisation). */
+static int has_scheme(const char *code_hash, const char *scheme) {
+  return code_hash && scheme && !strncmp(code_hash, scheme, strlen(scheme));
+}
+
 static void template_name(const char *key, char *buf, size_t n) {
   size_t len = strcspn(key, "(");
   snprintf(buf, n, "%.*s", (int)len, key);
@@ -678,20 +683,21 @@ static int is_stale(const m3_tune_record *r, int origin, const m3_tunedb_filter 
   if (f->driver_version && origin != ORIGIN_SEED &&
       (!r->prov.driver_version || strcmp(f->driver_version, r->prov.driver_version)))
     return ++ln->rep->stale_driver;
-  /* The code hash, where the record has one, is the finer test: it passes a
-   * record through template edits that leave its tile's code unchanged. */
-  const int by_code = f->code_hash && f->code_scheme && r->prov.code_hash &&
-                      !strncmp(r->prov.code_hash, f->code_scheme, strlen(f->code_scheme));
-  if (by_code || f->template_hash) {
-    char name[160];
-    template_name(r->key, name, sizeof name);
-    const char *h = by_code ? f->code_hash(f->ctx, r->key, r->tile, r->arch) : f->template_hash(f->ctx, name);
-    if (!h || strcmp(h, by_code ? r->prov.code_hash : r->prov.template_hash)) {
-      if (!ln->first_stale_tpl[0]) snprintf(ln->first_stale_tpl, sizeof ln->first_stale_tpl, "%s", name);
-      return ++ln->rep->stale_template;
-    }
+  /* The same template text renders the same code, so a current template
+   * hash settles it without rendering anything (the common case: the runtime
+   * loads its DB at every start).  Only a record whose template changed is
+   * rendered, and kept if its tile's code did not change (its code hash). */
+  if (!f->template_hash && !f->code_hash) return 0;
+  char name[160];
+  template_name(r->key, name, sizeof name);
+  const char *h = f->template_hash ? f->template_hash(f->ctx, name) : NULL;
+  if (h && !strcmp(h, r->prov.template_hash)) return 0;
+  if (f->code_hash && has_scheme(r->prov.code_hash, f->code_scheme)) {
+    const char *c = f->code_hash(f->ctx, r->key, r->tile, r->arch);
+    if (c && !strcmp(c, r->prov.code_hash)) return 0;
   }
-  return 0;
+  if (!ln->first_stale_tpl[0]) snprintf(ln->first_stale_tpl, sizeof ln->first_stale_tpl, "%s", name);
+  return ++ln->rep->stale_template;
 }
 
 static m3_status load_file(m3_tunedb *db, const char *path, int origin, const m3_tunedb_filter *f,
@@ -1237,7 +1243,7 @@ out:
 }
 
 m3_status m3_tunedb_add_code_hashes(const char *path, const m3_tunedb_filter *f, m3_rehash_report *rep, m3_err *e) {
-  m3_rehash_report local, cnt = {0, 0, 0, 0, -1};
+  m3_rehash_report local, cnt = {0, 0, 0, 0, 0, -1};
   if (!rep) rep = &local;
   *rep = cnt;
   if (!path || !f || !f->template_hash || !f->code_hash || !f->code_scheme)
@@ -1266,14 +1272,28 @@ m3_status m3_tunedb_add_code_hashes(const char *path, const m3_tunedb_filter *f,
       cnt.malformed++;
       continue;
     }
-    if (ch && !strncmp(ch, f->code_scheme, strlen(f->code_scheme))) {
-      cnt.had++;
+    char name[160], cur[64];
+    template_name(key, name, sizeof name);
+    const char *t = f->template_hash(f->ctx, name);
+    snprintf(cur, sizeof cur, "%s", t ? t : ""); /* the callbacks share one buffer */
+    const int tpl_current = t && !strcmp(cur, th);
+    if (has_scheme(ch, f->code_scheme)) {
+      if (tpl_current) {
+        cnt.had++;
+      } else { /* a template edit since: if it left the tile's code alone, the record's template hash moves on,
+                  so that loads settle it again without rendering (is_stale) */
+        const char *code = t ? f->code_hash(f->ctx, key, tile, arch) : NULL;
+        if (code && !strcmp(code, ch)) {
+          if (json_object_set_new(prov, "template_hash", json_string(cur)))
+            s = m3_errf(e, M3_NOMEM, "%s: out of memory", path);
+          cnt.refreshed++;
+        } else {
+          cnt.left++;
+        }
+      }
       continue;
     }
-    char name[160];
-    template_name(key, name, sizeof name);
-    const char *cur = f->template_hash(f->ctx, name);
-    const char *code = cur && !strcmp(cur, th) ? f->code_hash(f->ctx, key, tile, arch) : NULL;
+    const char *code = tpl_current ? f->code_hash(f->ctx, key, tile, arch) : NULL;
     if (!code) {
       cnt.left++;
       continue;
@@ -1281,8 +1301,9 @@ m3_status m3_tunedb_add_code_hashes(const char *path, const m3_tunedb_filter *f,
     if (json_object_set_new(prov, "code_hash", json_string(code))) s = m3_errf(e, M3_NOMEM, "%s: out of memory", path);
     cnt.given++;
   }
-  if (s == M3_OK && cnt.given) s = dump_doc(path, doc, &text, &tlen, e);
-  if (s == M3_OK && cnt.given) s = m3_write_atomic(path, text, tlen, e);
+  const int changed = cnt.given + cnt.refreshed;
+  if (s == M3_OK && changed) s = dump_doc(path, doc, &text, &tlen, e);
+  if (s == M3_OK && changed) s = m3_write_atomic(path, text, tlen, e);
   free(text);
   free(data);
   json_decref(doc);

@@ -208,12 +208,16 @@ typedef struct m3_tunedb_filter {
                                * USER records (a seed is from another machine
                                * by definition; its driver only moved timings) */
   /* The current hash of template `name` (text of the key before '('), or NULL
-   * when this build has no such template; a mismatch makes the record stale. */
+   * when this build has no such template.  A match keeps the record (the same
+   * template text renders the same code); a mismatch makes it stale unless
+   * code_hash keeps it. */
   const char *(*template_hash)(void *ctx, const char *name);
   /* The current code hash of (key, tile, arch), or NULL when it cannot be
-   * rendered (template gone, tile no longer valid).  Applied to records that
-   * carry provenance.code_hash, instead of template_hash: a record stays
-   * valid through template edits that leave the code of its tile unchanged. */
+   * rendered (template gone, tile no longer valid).  Asked only for records
+   * whose template hash does not match and that carry provenance.code_hash:
+   * a record stays valid through template edits that leave the code of its
+   * tile unchanged.  (It renders the tile: the template check first keeps a
+   * load free of rendering while the templates are the tuned ones.) */
   const char *(*code_hash)(void *ctx, const char *key, const char *tile, const char *arch);
   /* The scheme prefix code_hash returns ("c1:", gen/code_hash.h).  A record
    * whose code hash has another scheme (hashed by another m3kit's
@@ -272,8 +276,9 @@ m3_status m3_tunedb_save_merge(const char *path, const m3_tunedb *db,
 /* What m3_tunedb_add_code_hashes did, record by record. */
 typedef struct m3_rehash_report {
   int given;     /* given the code hash of their tile */
-  int had;       /* already had a code hash of this scheme: untouched */
-  int left;      /* changed template, or a tile that no longer renders: untouched */
+  int refreshed; /* their template changed but not their tile's code: given the current template hash */
+  int had;       /* a code hash of this scheme and a current template hash: untouched */
+  int left;      /* changed template and code, or a tile that no longer renders: untouched */
   int malformed; /* no key, tile, arch or template hash: untouched (the loader skips them) */
   int first_malformed; /* index of the first of those in the file, or -1 */
 } m3_rehash_report;
@@ -281,10 +286,12 @@ typedef struct m3_rehash_report {
 /* Give the records of the DB file `path` that have no code hash of
  * f->code_scheme and whose template hash is current (f->template_hash) the
  * code hash of their tile (f->code_hash): what that template text renders is
- * the code they timed.  Read, edit and publish happen under the file's lock
- * (as save_merge), editing the JSON in place: record order, other records,
- * unknown fields stay as they were; the file is rewritten only when some
- * record was given a hash.  rep may be NULL.  Errors: M3_NOTFOUND (no file),
+ * the code they timed.  Records with a code hash whose template changed since
+ * but whose tile's code did not are given the current template hash, so that
+ * a load settles them without rendering.  Read, edit and publish happen under
+ * the file's lock (as save_merge), editing the JSON in place: record order,
+ * other records, unknown fields stay as they were; the file is rewritten only
+ * when some record changed.  rep may be NULL.  Errors: M3_NOTFOUND (no file),
  * M3_FORMAT (garbled: not touched), M3_UNSUPPORTED (newer version), M3_INVAL
  * (f lacks a callback), M3_IO. */
 m3_status m3_tunedb_add_code_hashes(const char *path, const m3_tunedb_filter *f, m3_rehash_report *rep, m3_err *e);

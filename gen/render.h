@@ -52,7 +52,6 @@ typedef struct m3_source {
   int threads;                     /* block size (x) */
   int smem;                        /* dynamic shared memory bytes */
   uint64_t template_hash;
-  uint64_t code_hash;              /* m3_code_hash of the text and launch (code_hash.h) */
   char key[M3_KEY_MAX];            /* full canonical key it was rendered for */
 } m3_source;
 void m3_source_free(m3_source *s);
@@ -87,13 +86,17 @@ m3_status m3_render_variants(m3_lua *L, const char *op, const m3_dims *dims, m3_
 
 /* Render source for a key with a tile and an arch; validity is checked first
  * (M3_TILE with the reason).  The source opens with a header comment naming the
- * key, template, template hash and code hash. */
+ * key, template and template hash. */
 m3_status m3_render_source(m3_lua *L, const m3_variant *v, m3_source *out, m3_err *e);
 
 /* The code hash of a full key (axes, tile, arch): m3_code_hash (code_hash.h)
  * of its rendered source and launch, the identity a tuning record keeps of the
- * code it timed.  Errors: those of m3_render_source (M3_TILE when the tile is
- * not valid for the key any more, M3_NOTFOUND, M3_TEMPLATE, M3_KEY). */
+ * code it timed.  Not part of m3_render_source: the JIT renders every kernel
+ * it resolves, and only tuning records need this.  Errors: those of
+ * m3_render_source (M3_TILE when the tile is not valid for the key any more,
+ * M3_NOTFOUND, M3_TEMPLATE, M3_KEY). */
 m3_status m3_render_code_hash(m3_lua *L, const m3_variant *v, uint64_t *out, m3_err *e);
+/* The same for a source already rendered. */
+uint64_t m3_source_code_hash(const m3_source *s);
 
 #endif

@@ -641,8 +641,10 @@ END_TEST
 
 /* The code hashes of "this build": tile warps=2 of qknorm_rope renders to
  * code c0de02, warps=4 to c0de04; other tiles no longer render. */
+static int code_renders; /* calls of code_of: each is a rendering in the runtime */
 static const char *code_of(void *ctx, const char *key, const char *tile, const char *arch) {
   (void)ctx, (void)arch;
+  code_renders++;
   if (strncmp(key, "qknorm_rope(", 12)) return NULL;
   if (!strcmp(tile, "warps=2")) return "c1:c0de02";
   if (!strcmp(tile, "warps=4")) return "c1:c0de04";
@@ -652,39 +654,45 @@ static const char *code_of(void *ctx, const char *key, const char *tile, const c
   "{\"key\": \"" key "\", \"bucket\": \"tokens=1\", \"arch\": \"sm_90\", \"tile\": \"" tile              \
   "\", \"provenance\": {\"template_hash\": \"" hash "\", \"code_hash\": \"" code "\"}}"
 
-/* Where a record carries a code hash, that decides, not the template hash: a
- * template edit that leaves the chosen tile's code alone keeps the record,
- * one that changes it stales the record even if the template hash were to
- * match; records without one keep the template-hash rule. */
+/* A current template hash keeps a record without rendering anything (the
+ * same template text renders the same code); where the template changed, a
+ * record's code hash keeps it if its tile's code is the same, and stales it
+ * if the code changed or no longer renders; records without one, or with
+ * another scheme's, keep the template-hash rule. */
 START_TEST(code_hash_decides_where_present) {
   char *dir = tmpdir(), path[600];
   snprintf(path, sizeof path, "%s/sm_90.json", dir);
   const char *doc = DOC(1, REC_CODE("qknorm_rope(a=1)", "warps=2", "0ld0ld", "c1:c0de02") ","  /* kept: same code */
-                           REC_CODE("qknorm_rope(a=2)", "warps=4", "abc123", "c1:c0de02") ","  /* stale: its code changed */
-                           REC_CODE("qknorm_rope(a=3)", "warps=8", "abc123", "c1:c0de08") ","  /* stale: no longer renders */
+                           REC_CODE("qknorm_rope(a=2)", "warps=4", "0ld0ld", "c1:c0de02") ","  /* stale: its code changed */
+                           REC_CODE("qknorm_rope(a=3)", "warps=8", "0ld0ld", "c1:c0de08") ","  /* stale: no longer renders */
                            REC("qknorm_rope(a=4)", "tokens=1", "sm_90", "warps=2", "550.54.15", "abc123") ","
                            REC("qknorm_rope(a=5)", "tokens=1", "sm_90", "warps=2", "550.54.15", "0ld0ld") ","
                            /* another scheme's hash: the template rule (current here) */
                            REC_CODE("qknorm_rope(a=6)", "warps=2", "abc123", "c0:0123") ","
-                           REC_CODE("qknorm_rope(a=7)", "warps=2", "0ld0ld", "c0:0123"));
+                           REC_CODE("qknorm_rope(a=7)", "warps=2", "0ld0ld", "c0:0123") ","
+                           /* a current template: kept, and its code never rendered */
+                           REC_CODE("qknorm_rope(a=8)", "warps=4", "abc123", "c1:c0de04"));
   write_text(path, doc, strlen(doc));
   m3_tunedb_filter f = {.arch = "sm_90", .template_hash = hash_of, .code_hash = code_of, .code_scheme = "c1:"};
   m3_tunedb_report rep;
+  code_renders = 0;
   m3_tunedb *db = load_ok(path, &f, &rep);
   const m3_bucket t1 = B("tokens=1");
-  ck_assert_uint_eq(m3_tunedb_count(db), 3);
+  ck_assert_uint_eq(m3_tunedb_count(db), 4);
   const m3_tune_record *kept = m3_tunedb_find(db, "qknorm_rope(a=1)", &t1, "sm_90");
   ck_assert_ptr_nonnull(kept);
   ck_assert_str_eq(kept->prov.code_hash, "c1:c0de02");
   ck_assert_ptr_nonnull(m3_tunedb_find(db, "qknorm_rope(a=4)", &t1, "sm_90"));
   ck_assert_ptr_nonnull(m3_tunedb_find(db, "qknorm_rope(a=6)", &t1, "sm_90"));
+  ck_assert_ptr_nonnull(m3_tunedb_find(db, "qknorm_rope(a=8)", &t1, "sm_90"));
   ck_assert_int_eq(rep.stale_template, 4);
+  ck_assert_int_eq(code_renders, 3); /* a=1..3 only: their template changed */
   m3_tunedb_free(db);
   /* A reader without the code check (an older m3kit) applies the template rule to all. */
   f.code_hash = NULL;
   db = load_ok(path, &f, &rep);
-  ck_assert_uint_eq(m3_tunedb_count(db), 4);
-  ck_assert_int_eq(rep.stale_template, 3);
+  ck_assert_uint_eq(m3_tunedb_count(db), 3);
+  ck_assert_int_eq(rep.stale_template, 5);
   m3_tunedb_free(db);
   rm_tree(dir);
 }
@@ -716,8 +724,9 @@ START_TEST(symlinked_db_updated_at_its_target) {
 END_TEST
 
 /* --rehash: records with a current template and no hash of this scheme get
- * their tile's; the file is edited in place under the lock (order, other
- * records and unknown fields kept); a garbled file is not touched. */
+ * their tile's; records whose template changed but not their code get the
+ * current template hash; the file is edited in place under the lock (order,
+ * other records and unknown fields kept); a garbled file is not touched. */
 START_TEST(add_code_hashes_in_place) {
   char *dir = tmpdir(), path[600];
   snprintf(path, sizeof path, "%s/sm_90.json", dir);
@@ -726,35 +735,40 @@ START_TEST(add_code_hashes_in_place) {
       REC("qknorm_rope(a=2)", "tokens=1", "sm_90", "warps=4", "550.54.15", "abc123") ","  /* given c1:c0de04 */
       REC("qknorm_rope(a=1)", "tokens=1", "sm_90", "warps=2", "550.54.15", "0ld0ld") ","  /* changed template: left */
       REC("qknorm_rope(a=3)", "tokens=1", "sm_90", "warps=8", "550.54.15", "abc123") ","  /* tile gone: left */
-      REC_CODE("qknorm_rope(a=4)", "warps=2", "0ld0ld", "c1:0ld") ","                      /* has one: kept */
+      REC_CODE("qknorm_rope(a=4)", "warps=2", "0ld0ld", "c1:0ld") ","                      /* code changed: left */
       "{\"key\": \"qknorm_rope(a=5)\", \"bucket\": \"tokens=1\", \"arch\": \"sm_90\", \"tile\": \"warps=2\", "
-      "\"future\": [1], \"provenance\": {\"template_hash\": \"abc123\"}}]}\n";
+      "\"future\": [1], \"provenance\": {\"template_hash\": \"abc123\"}}" ","
+      REC_CODE("qknorm_rope(a=6)", "warps=2", "0ld0ld", "c1:c0de02") "]}\n";              /* same code: refreshed */
   write_text(path, doc, strlen(doc));
   m3_tunedb_filter f = {.template_hash = hash_of, .code_hash = code_of, .code_scheme = "c1:"};
   m3_rehash_report rr;
   m3_err e;
   ck_assert_msg(m3_tunedb_add_code_hashes(path, &f, &rr, &e) == M3_OK, "%s", e.msg);
   ck_assert_int_eq(rr.given, 2);
-  ck_assert_int_eq(rr.left, 2);
-  ck_assert_int_eq(rr.had, 1);
+  ck_assert_int_eq(rr.refreshed, 1);
+  ck_assert_int_eq(rr.left, 3);
+  ck_assert_int_eq(rr.had, 0);
   ck_assert_int_eq(rr.malformed, 0);
   m3_tunedb_report rep;
   m3_tunedb *db = load_ok(path, NULL, &rep);
-  ck_assert_uint_eq(m3_tunedb_count(db), 5);
+  ck_assert_uint_eq(m3_tunedb_count(db), 6);
   ck_assert_str_eq(m3_tunedb_get(db, 0)->key, "qknorm_rope(a=2)"); /* order kept */
   ck_assert_str_eq(m3_tunedb_get(db, 0)->prov.code_hash, "c1:c0de04");
   ck_assert_ptr_null(m3_tunedb_get(db, 1)->prov.code_hash);
   ck_assert_ptr_null(m3_tunedb_get(db, 2)->prov.code_hash);
   ck_assert_str_eq(m3_tunedb_get(db, 3)->prov.code_hash, "c1:0ld");
   ck_assert_str_eq(m3_tunedb_get(db, 4)->prov.code_hash, "c1:c0de02");
+  ck_assert_str_eq(m3_tunedb_get(db, 5)->prov.template_hash, "abc123");
+  ck_assert_str_eq(m3_tunedb_get(db, 5)->prov.code_hash, "c1:c0de02");
   ck_assert_int_eq(rep.unknown_fields, 2); /* "future_top" and "future" survived */
   m3_tunedb_free(db);
   /* Nothing left to give: the file is not rewritten. */
   struct stat st0, st1;
   ck_assert_int_eq(stat(path, &st0), 0);
   ck_assert_int_eq(m3_tunedb_add_code_hashes(path, &f, &rr, &e), M3_OK);
-  ck_assert_int_eq(rr.given, 0);
+  ck_assert_int_eq(rr.given + rr.refreshed, 0);
   ck_assert_int_eq(rr.had, 3);
+  ck_assert_int_eq(rr.left, 3);
   ck_assert_int_eq(stat(path, &st1), 0);
   ck_assert(st0.st_ino == st1.st_ino);
   /* Garbled: an error naming the file, the bytes untouched. */

@@ -309,13 +309,19 @@ START_TEST(seed_db_matches_the_templates) {
   ck_assert_msg(m3_tunedb_load(db, path, NULL, &f, &rep, &e) == M3_OK, "%s", e.msg);
   ck_assert_msg(rep.stale_template == 0 && rep.invalid == 0, "%s: %s", path, rep.summary);
   ck_assert_int_gt(rep.loaded, 100);
-  /* Every seed record names the code it timed, so that template edits which
-   * leave that code alone (comments, other tiles) do not stale it. */
+  /* Every seed record names the code it timed, and it is the code its tile
+   * renders to now (a load takes a current template hash on trust, without
+   * rendering: this is where the two are checked against each other), so
+   * that template edits which leave that code alone do not stale it. */
+  m3_tuning_hash_ctx cc = {.lua = L};
   for (size_t i = 0; i < m3_tunedb_count(db); i++) {
     const m3_tune_record *r = m3_tunedb_get(db, i);
     ck_assert_msg(r->prov.code_hash && !strncmp(r->prov.code_hash, M3_CODE_HASH_SCHEME, strlen(M3_CODE_HASH_SCHEME)),
                   "%s: record %s [%s] has no code_hash of scheme %s (m3kit tune --rehash --db %s)", path, r->key,
                   r->tile, M3_CODE_HASH_SCHEME, path);
+    const char *now = m3_tuning_code_hash(&cc, r->key, r->tile, r->arch);
+    ck_assert_msg(now && !strcmp(now, r->prov.code_hash), "%s: record %s [%s]: code hash %s, its tile renders to %s",
+                  path, r->key, r->tile, r->prov.code_hash, now ? now : "nothing");
   }
   m3_tunedb_free(db);
 }

@@ -22,7 +22,8 @@ static void help(void) {
       "usage: m3kit gen [options]\n\n"
       "  --list                 list every variant key the model needs (default action)\n"
       "  --templates            list the embedded templates with their axes and tile spaces\n"
-      "  --emit KEY             print the generated CUDA source of KEY (default tile unless KEY has one)\n"
+      "  --emit KEY             print the generated CUDA source of KEY (default tile unless KEY has one),\n"
+      "                         after a comment line with its code hash (docs/tuning-db.md)\n"
       "  --compile KEY          compile KEY and report its code hash, cubin size, registers, spills\n"
       "  --cubin FILE           with --compile: also write the cubin to FILE (for cuobjdump -sass)\n"
       "  --tiles KEY            list every tile of KEY with its valid() verdict and reason\n"
@@ -170,7 +171,12 @@ int cmd_gen(int argc, char **argv) {
     if ((rc = prepare(&j, key, arch, arch_given, &v, &e, 1)) == 0) {
       m3_source src;
       if ((s = m3_render_source(j.lua, &v, &src, &e)) != M3_OK) rc = cli_fail("gen", s, &e);
-      else if (action == 'e') fputs(src.text, stdout);
+      else if (action == 'e') { /* the code hash a tuning record of this tile would carry, then the source */
+        char ct[M3_CODE_HASH_TEXT];
+        m3_code_hash_text(m3_source_code_hash(&src), ct, sizeof ct);
+        printf("// code hash %s (m3kit gen --emit; not part of the source)\n", ct);
+        fputs(src.text, stdout);
+      }
       else {
         double t0 = now_s();
         m3_cubin cb;
@@ -179,7 +185,7 @@ int cmd_gen(int argc, char **argv) {
           char k[M3_KEY_MAX];
           m3_variant_print(&v, k, sizeof k);
           char ct[M3_CODE_HASH_TEXT];
-          m3_code_hash_text(src.code_hash, ct, sizeof ct);
+          m3_code_hash_text(m3_source_code_hash(&src), ct, sizeof ct);
           printf("%s\n  entry %s, %d threads, %d B dynamic smem, code hash %s, cubin %zu bytes (%s, %.2f s)\n", k,
                  cb.meta.entry, cb.meta.threads, cb.meta.smem, ct, cb.size, cb.hit ? "cache hit" : "compiled",
                  now_s() - t0);

@@ -36,7 +36,8 @@ static void help(void) {
          "  --arch SM          arch for --show/--plot/--rehash without a GPU (default: the GPU's, else sm_90)\n"
          "  --rehash           give every record of the DB (or --db FILE) whose template is unchanged the\n"
          "                     code hash of its tile, so that later template edits that leave that code\n"
-         "                     alone keep it valid (records tuned before code hashes existed); no GPU\n");
+         "                     alone keep it valid, and records kept that way the current template hash\n"
+         "                     (a load then renders nothing); no GPU\n");
   printf("\nkernel families (one adapter each, autotune/ops_table.c; kv_insert and fill are never\n"
          "looked up by shape at run time, so they have no shapes to tune):\n ");
   int col = 1;
@@ -96,7 +97,8 @@ static int db_file(const char *arch, const char *db_path, char *path, size_t n) 
 
 /* --rehash: the records whose template hash is current get the code hash of
  * their tile (which that template text renders, so it is the code they were
- * timed with); the others are left as they are (m3_tunedb_add_code_hashes). */
+ * timed with), those kept through a template edit by their code hash the
+ * current template hash (m3_tunedb_add_code_hashes). */
 static int rehash(const char *arch, const char *db_path) {
   char path[4200];
   if (db_file(arch, db_path, path, sizeof path)) return 1;
@@ -110,9 +112,10 @@ static int rehash(const char *arch, const char *db_path) {
   m3_status s = m3_tunedb_add_code_hashes(path, &f, &r, &e);
   m3_lua_close(L);
   if (s != M3_OK) return cli_fail("tune", s, &e);
-  printf("%s: %d records given the code hash of their tile%s; %d had one already; %d stale (their template "
-         "changed or their tile no longer renders: re-run 'm3kit tune'), left as they were",
-         path, r.given, r.given ? "" : " (file not rewritten)", r.had, r.left);
+  printf("%s: %d records given the code hash of their tile; %d given the current template hash (their template "
+         "changed, their code did not)%s; %d current already; %d stale (their code changed or their tile no longer "
+         "renders: re-run 'm3kit tune'), left as they were",
+         path, r.given, r.refreshed, r.given + r.refreshed ? "" : " (file not rewritten)", r.had, r.left);
   if (r.malformed) printf("; %d malformed, left as they were (first: record %d)", r.malformed, r.first_malformed);
   printf("\n");
   return 0;
