@@ -125,13 +125,13 @@ def main():
         full = '%s[%s]@%s' % (r['key'], r['tile'], r['arch'])
         prov = r['provenance']
 
-        def current(env, schema):  # the runtime's rule (docs/tuning-db.md)
+        def current(env, schema):  # the runtime's rule (docs/tuning-db.md, cache/tunedb.c is_stale)
             if name not in schema:
                 return False
+            if prov['template_hash'] == schema[name][0]:
+                return True  # the same template text renders the same code
             have_code = prov.get('code_hash')
-            if have_code and have_code.split(':')[0] == SCHEME:
-                return code_hash(m3kit, env, full) == have_code
-            return prov['template_hash'] == schema[name][0]
+            return bool(have_code) and have_code.split(':')[0] == SCHEME and code_hash(m3kit, env, full) == have_code
         if current(env_new, new):
             counts['current'] += 1
             continue
