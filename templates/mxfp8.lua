@@ -42,6 +42,8 @@ local P = m3.include("lib/prelude")
 local F = m3.include("lib/ffn")
 local I = m3.include("lib/indexer")
 
+local LEAD = m3.include("lib/lead")
+
 local T = {}
 T.name = "mxfp8"
 T.axes = {
@@ -63,6 +65,8 @@ T.tiles = {
                                     -- 0 = balanced: as many CTAs as the SMs hold at once, each 1/G of all tiles;
                                     -- 3 and 6 even out the CTAs per SM (ncu, device run 24: the MoE down's 192
                                     -- CTAs of tpc=8 put 2 on 60 SMs and 1 on 72; gate|up's 96 left 36 SMs idle)
+  {"lead", {0, 1}},                 -- W8A16 GEMV with the ring, non-MoE: 1 = the ring's first stages are issued
+                                    -- before the grid wait, while the previous kernel still runs (lib/lead.lua)
 }
 
 -- Opt-in dynamic shared memory per block, by SM generation.
@@ -99,10 +103,17 @@ function T.valid(k, t, arch)
       return false, "dequant is e4m3 -> bf16 only: use w=e4m3, out=bf16, nmax=1, moe=0"
     end
     if k.cols % 32 ~= 0 then return false, "MXFP8 rows are blocks of 32: cols % 32 must be 0" end
-    if t.rpw ~= 1 or t.unroll ~= 1 or t.cvt ~= "alu" or t.pipe ~= 1 or t.tpc ~= 1 then
-      return false, "dequant uses only the warps tile: rpw=1, unroll=1, cvt=alu, pipe=1, tpc=1"
+    if t.rpw ~= 1 or t.unroll ~= 1 or t.cvt ~= "alu" or t.pipe ~= 1 or t.tpc ~= 1 or t.lead ~= 0 then
+      return false, "dequant uses only the warps tile: rpw=1, unroll=1, cvt=alu, pipe=1, tpc=1, lead=0"
     end
     return true
+  end
+  if t.lead == 1 then
+    -- The weights are the only input no kernel of the stream writes; a MoE
+    -- launch needs the router's expert ids first.
+    if k.w ~= "e4m3" or t.pipe < 3 then return false, "lead=1 is the W8A16 ring's (w=e4m3, pipe >= 3)" end
+    if k.moe ~= 0 then return false, "lead=1 needs the weights before the grid wait: a MoE launch's come from the router (moe=0)" end
+    if m3.sm(arch) < 90 then return false, "lead=1 overlaps the previous kernel through programmatic dependent launch (sm_90+)" end
   end
   if t.pipe ~= 1 and k.w ~= "e4m3" then return false, "pipe=2 is the W8A16 (e4m3) GEMV's; bf16/fp32 use pipe=1" end
   if t.pipe == 2 and t.rpw * t.unroll > 4 then
@@ -146,17 +157,17 @@ function T.valid(k, t, arch)
 end
 
 function T.default_tile(k, arch)
-  if k.op == "dequant" then return {warps = 8, rpw = 1, unroll = 1, cvt = "alu", pipe = 1, tpc = 1} end
-  if k.w == "f32" then return {warps = 4, rpw = 1, unroll = 4, cvt = "alu", pipe = 1, tpc = 1} end
+  if k.op == "dequant" then return {warps = 8, rpw = 1, unroll = 1, cvt = "alu", pipe = 1, tpc = 1, lead = 0} end
+  if k.w == "f32" then return {warps = 4, rpw = 1, unroll = 4, cvt = "alu", pipe = 1, tpc = 1, lead = 0} end
   if k.w == "e4m3" then
     -- The ring where the row fits it: device run 18's winner for the MoE gate|up
     -- and down and the 3072-column GEMV, 1.12-1.17x the pipe=1 tile.
     if (k.cols // 32) % 4 == 0 and k.cols // 32 >= 16 then
-      return {warps = 4, rpw = 1, unroll = 4, cvt = m3.sm(arch) >= 89 and "hw" or "alu", pipe = 3, tpc = 1}
+      return {warps = 4, rpw = 1, unroll = 4, cvt = m3.sm(arch) >= 89 and "hw" or "alu", pipe = 3, tpc = 1, lead = 0}
     end
-    return {warps = 8, rpw = 1, unroll = 4, cvt = "alu", pipe = 1, tpc = 1}
+    return {warps = 8, rpw = 1, unroll = 4, cvt = "alu", pipe = 1, tpc = 1, lead = 0}
   end
-  return {warps = 8, rpw = 2, unroll = 2, cvt = "alu", pipe = 1, tpc = 1}
+  return {warps = 8, rpw = 2, unroll = 2, cvt = "alu", pipe = 1, tpc = 1, lead = 0}
 end
 
 function T.variants(c)
@@ -646,7 +657,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned char *__restrict__ ws,
      const void *const *__restrict__ w_tab, const unsigned char *const *__restrict__ ws_tab,
      const int *__restrict__ ids, int n_tab, int xdiv, void *__restrict__ y, int n, int rows, int npairs) {
-  M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
+  $open
   DYN_SMEM(uint4, xs4);          /* [NXS][XS4] fp16 x 2^sh, dims paired (0,2),(1,3),(4,6),(5,7) */
   __shared__ int s_emax[NXS];
   __shared__ float s_out[NXS];
@@ -719,7 +730,7 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
   const int nx = ntok, xp0 = p;
 #endif
 
-  /* Staged rows: the tokens (non-MoE), or the x rows of pairs xp0 .. xp0 + nx - 1. */
+$wait  /* Staged rows: the tokens (non-MoE), or the x rows of pairs xp0 .. xp0 + nx - 1. */
   if (tid < NXS) s_emax[tid] = 0;
   __syncthreads();
   for (int t = 0; t < nx; t++) {
@@ -908,6 +919,15 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
 }
 ]==]
 
+-- The W8A16 kernel's opening: lead=0 is the grid wait first, as every
+-- kernel; lead=1 (lib/lead.lua) moves it down to the staging of x (the
+-- previous kernel's output), so that the ring's first PIPE - 1 stages of
+-- weights (launch arguments no kernel writes: the launcher's header says so)
+-- stream while the previous kernel drains.
+local WAIT_OPEN = "M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */"
+local LEAD_OPEN = "M3_LEAD_IN; /* the weights only until the wait (lib/lead.lua) */"
+local LEAD_WAIT = "  M3_GRID_WAIT(); /* x is the previous kernel's output */\n"
+
 function T.render(k, t, arch, sym)
   local src, threads, smem
   threads = t.warps * 32
@@ -915,9 +935,11 @@ function T.render(k, t, arch, sym)
     src = F.subst("mxfp8", dequant_body, {cols = k.cols, threads = threads, sym = sym})
     smem = 0
   elseif k.w == "e4m3" then
-    src = "#ifndef FULL\n#define FULL 0xffffffffu\n#endif\n" .. I.mma("f16") .. I.e4m3_decode(t.cvt) .. F.subst("mxfp8", gemv_mma_body, {
+    src = "#ifndef FULL\n#define FULL 0xffffffffu\n#endif\n" .. I.mma("f16") .. I.e4m3_decode(t.cvt) ..
+      (t.lead == 1 and LEAD.defs or "") .. F.subst("mxfp8", gemv_mma_body, {
       cols = k.cols, nmax = k.nmax, moe = k.moe, warps = t.warps, rpw = t.rpw, unroll = t.unroll, pipe = t.pipe,
       wlog2 = t.cvt == "hw" and 0 or 8, stage = ring_stage(t), tpc = t.tpc, sym = sym,
+      open = t.lead == 1 and LEAD_OPEN or WAIT_OPEN, wait = t.lead == 1 and LEAD_WAIT or "",
     })
     smem = gemv_smem(k, t)
   else

@@ -7,6 +7,7 @@
 #include <check.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/sysinfo.h> /* get_nprocs (unistd.h clashes with a test's dup()) */
 
 #include "runtime/cuda_driver.h"
 #include "runtime/harness.h"
@@ -97,6 +98,35 @@ static inline int gpu_test_main(const char *name, Suite *(*make)(void)) {
   srunner_free(sr);
   m3_rt_close(&g_rt);
   return failed ? 1 : 0;
+}
+
+/* Compile v0 at each of the n tiles into the cubin cache, in parallel
+ * (m3_jit_build_many, one compiler a core), so that the launches that follow
+ * find them there.  Compiled one at a time by the launches, the W8A16 GEMV's
+ * few hundred tiles took over 250 s of a device call (run 20), the attention
+ * tiles over 200 s (session 22).  A build that
+ * fails here fails again, with its message, where the case launches it. */
+static inline void gpu_prewarm_tiles(const m3_variant *v0, char (*tiles)[256], int n) {
+  m3_jit_job *jobs = calloc((size_t)(n ? n : 1), sizeof *jobs);
+  ck_assert_ptr_nonnull(jobs);
+  m3_err e;
+  for (int i = 0; i < n; i++) {
+    m3_variant v = *v0;
+    snprintf(v.arch, sizeof v.arch, "%s", g_rt.dev.arch);
+    if (m3_variant_parse_tile(&v, tiles[i], &e) != M3_OK || m3_render_canon(g_rt.jit.lua, &v, &e) != M3_OK ||
+        m3_render_source(g_rt.jit.lua, &v, &jobs[i].src, &e) != M3_OK)
+      continue;
+    jobs[i].v = v;
+    jobs[i].rendered = 1;
+  }
+  const int ncpu = get_nprocs();
+  m3_jit_build_many(&g_rt.jit, jobs, n, ncpu > 0 ? ncpu : 2, 120);
+  int timed_out = 0;
+  for (int i = 0; i < n; i++) {
+    if (jobs[i].status == M3_TIMEOUT) timed_out = 1;
+    else if (jobs[i].rendered) m3_source_free(&jobs[i].src);
+  }
+  if (!timed_out) free(jobs); /* else left to the detached builds (jit.h) */
 }
 
 #define GPU_TEST_GLOBALS m3_rt g_rt; uint64_t g_seed;
