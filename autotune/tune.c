@@ -74,6 +74,14 @@ static double graph_below_us(int *forced) {
 }
 #define GRAPH_LAUNCHES 16
 
+/* How much slower than the tuner's own pick a pinned tile may time and still
+ * be kept (cache/tunedb.h `pinned`): 3%, or $M3KIT_TUNE_PIN_SLACK (a
+ * fraction; tests set it to keep or drop a pin whatever the timings). */
+static double pin_slack(void) {
+  const char *v = getenv("M3KIT_TUNE_PIN_SLACK");
+  return v && *v ? atof(v) : 0.03;
+}
+
 typedef struct graph_arg {
   const m3_tune_op *op;
   void *st;
@@ -406,6 +414,13 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
      * events: comparing the two skipped every later candidate). */
     double best = 0, best_ev = 0;
     int best_i = -1, def_i = -1;
+    /* An earlier record of this shape pinned by a whole decode-step
+     * measurement (tools/seed_pin.py): its tile is timed in full (no early
+     * stop), to be weighed against this tune's pick below. */
+    char keytext[512];
+    m3_variant_print_axes(&j->key, keytext, sizeof keytext);
+    const m3_tune_record *prev = rt->db ? m3_tunedb_find(rt->db, keytext, &j->bucket, rt->dev.arch) : NULL;
+    if (prev && !prev->pinned) prev = NULL;
     m3_kernel **kq = calloc((size_t)j->n_cand, sizeof *kq);
     for (int q = 0; q < j->n_cand; q++) {
       m3_jit_job *cj = &cands[j->first_cand + q];
@@ -442,7 +457,8 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
           cudaGetLastError(); /* clear a sticky launch error if it is not fatal */
         } else {
           double ev = 0;
-          if ((ks = m3_tune_time_kernel(rt, j->op, st, k, warmup, reps, best_ev, c, &ev, &ke)) != M3_OK) {
+          const double stop_ev = prev && !strcmp(tiles[q], prev->tile) ? 0 : best_ev;
+          if ((ks = m3_tune_time_kernel(rt, j->op, st, k, warmup, reps, stop_ev, c, &ev, &ke)) != M3_OK) {
             c->disposition = M3_DISP_LAUNCH_ERROR;
             snprintf(reasons[q], sizeof reasons[q], "%.*s", (int)sizeof reasons[q] - 1, ke.msg);
           } else {
@@ -513,6 +529,29 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
                        cs[q].disposition == M3_DISP_COMPILE_TIMEOUT;
     }
     row->default_us = def_i >= 0 ? cs[def_i].median_us : NAN;
+    /* A record pinned by a whole decode-step measurement (tools/seed_pin.py)
+     * keeps its tile while this tune times it within pin_slack() of its own
+     * pick: the tuner times a kernel alone, the step between others, and the
+     * two disagreed by more than the tuner's differences (device runs 40-43:
+     * MoE down candidates within 2% here, 6% apart in the step). */
+    const char *pin_why = NULL;
+    if (prev && choose >= 0) {
+      int q = 0;
+      while (q < j->n_cand && strcmp(tiles[q], prev->tile)) q++;
+      const int ok = q < j->n_cand && cs[q].disposition == M3_DISP_PASSED;
+      if (ok && cs[q].median_us <= (1.0 + pin_slack()) * cs[choose].median_us) {
+        if (q != choose && o->progress)
+          fprintf(o->progress, "  %s %s: kept the pinned tile %s (%.2f us; the tuner's pick %s %.2f us): %s\n", row->key,
+                  row->bucket, tiles[q], cs[q].median_us, tiles[choose], cs[choose].median_us, prev->pinned);
+        choose = q;
+        pin_why = prev->pinned;
+      } else {
+        m3_warn("tune: %s %s: the pinned tile %s %s; the record takes the tuner's pick %s (pinned because: %s)",
+                row->key, row->bucket, prev->tile,
+                q == j->n_cand ? "was not a candidate" : !ok ? "did not pass" : "timed more than the slack slower",
+                tiles[choose], prev->pinned);
+      }
+    }
     if (choose >= 0) {
       snprintf(row->tile, sizeof row->tile, "%s", tiles[choose]);
       row->tuned_us = cs[choose].median_us;
@@ -531,6 +570,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
       r.bucket = j->bucket;
       r.arch = rt->dev.arch;
       r.tile = tiles[choose];
+      r.pinned = pin_why;
       r.default_tile = deftile;
       r.default_us = row->default_us;
       r.tuned_us = row->tuned_us;

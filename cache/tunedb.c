@@ -222,9 +222,10 @@ m3_status m3_tune_record_check(const m3_tune_record *r, m3_err *e) {
   const char *texts[] = {r->prov.gpu,           r->prov.driver_version, r->prov.nvrtc_version,
                          r->prov.cublas_version, r->prov.template_hash,  r->prov.m3kit_version,
                          r->prov.date,           r->prov.command,        r->metric.unit,
-                         r->prov.code_hash};
+                         r->prov.code_hash,      r->pinned};
   for (size_t i = 0; i < sizeof texts / sizeof *texts; i++)
-    if (!text_ok(texts[i])) return m3_errf(e, M3_INVAL, "record '%s': a provenance/metric string is not UTF-8", r->key);
+    if (!text_ok(texts[i]))
+      return m3_errf(e, M3_INVAL, "record '%s': a provenance/metric/pinned string is not UTF-8", r->key);
   for (int i = 0; i < r->bucket.ndims; i++)
     if (!name_ok(r->bucket.dims[i].name, strlen(r->bucket.dims[i].name)) || r->bucket.dims[i].value < 0)
       return m3_errf(e, M3_INVAL, "record '%s': bad bucket dimension %d", r->key, i);
@@ -264,6 +265,7 @@ static void record_free(m3_tune_record *r) {
   free((char *)r->key);
   free((char *)r->arch);
   free((char *)r->tile);
+  free((char *)r->pinned);
   free((char *)r->default_tile);
   const char *p[] = {r->prov.gpu,          r->prov.driver_version, r->prov.nvrtc_version,
                      r->prov.cublas_version, r->prov.template_hash, r->prov.m3kit_version,
@@ -288,6 +290,7 @@ static m3_status record_copy(m3_tune_record *d, const m3_tune_record *s, m3_err 
   d->key = dup_or_null(s->key, &oom);
   d->arch = dup_or_null(s->arch, &oom);
   d->tile = dup_or_null(s->tile, &oom);
+  d->pinned = dup_or_null(s->pinned, &oom);
   d->default_tile = dup_or_null(s->default_tile, &oom);
   d->prov.gpu = dup_or_null(s->prov.gpu, &oom);
   d->prov.driver_version = dup_or_null(s->prov.driver_version, &oom);
@@ -431,7 +434,7 @@ void m3_tunedb_now_iso(char *buf, size_t n) {
  * adds an optional field without bumping the version must not lose data when
  * an older one merges into the same file. */
 static const char *const top_fields[] = {"format", "version", "records", "comment", NULL};
-static const char *const rec_fields[] = {"key",        "bucket",   "arch",       "tile",   "default_tile",
+static const char *const rec_fields[] = {"key",        "bucket",   "arch",       "tile",   "pinned", "default_tile",
                                          "default_us", "tuned_us", "provenance", "metric", "candidates", NULL};
 static const char *const prov_fields[] = {"gpu",           "sm_count",      "driver_version",
                                           "nvrtc_version", "cublas_version", "template_hash",
@@ -523,6 +526,7 @@ static int parse_record(json_t *o, m3_tune_record *r, m3_tune_candidate **cands,
   json_t *prov, *metric;
   if (get_str(o, "key", 1, &r->key, why, wn) || get_str(o, "bucket", 1, &bucket, why, wn) ||
       get_str(o, "arch", 1, &r->arch, why, wn) || get_str(o, "tile", 1, &r->tile, why, wn) ||
+      get_str(o, "pinned", 0, &r->pinned, why, wn) ||
       get_str(o, "default_tile", 0, &r->default_tile, why, wn) || get_num(o, "default_us", &r->default_us, why, wn) ||
       get_num(o, "tuned_us", &r->tuned_us, why, wn) || get_obj(o, "provenance", &prov, why, wn) ||
       get_obj(o, "metric", &metric, why, wn))
@@ -844,7 +848,7 @@ static json_t *record_to_json(const m3_tune_record *r) {
   json_t *o = json_object(), *p = json_object(), *m = NULL, *ca = json_array();
   int bad = !o || !p || !ca;
   bad |= set_str(o, "key", r->key) | set_str(o, "bucket", bucket) | set_str(o, "arch", r->arch) |
-         set_str(o, "tile", r->tile) | set_str(o, "default_tile", r->default_tile);
+         set_str(o, "tile", r->tile) | set_str(o, "pinned", r->pinned) | set_str(o, "default_tile", r->default_tile);
   bad |= json_object_set_new(o, "default_us", num_or_null(r->default_us));
   bad |= json_object_set_new(o, "tuned_us", num_or_null(r->tuned_us));
   bad |= set_str(p, "gpu", r->prov.gpu);
@@ -1469,6 +1473,7 @@ void m3_tunedb_print_record(const m3_tune_record *r, FILE *out) {
           r->prov.nvrtc_version ? r->prov.nvrtc_version : "?", r->prov.template_hash,
           r->prov.code_hash ? r->prov.code_hash : "-", r->prov.date ? r->prov.date : "?");
   if (r->prov.command) fprintf(out, "  command: %s\n", r->prov.command);
+  if (r->pinned) fprintf(out, "  pinned: %s\n", r->pinned);
   for (size_t i = 0; i < r->n_candidates; i++) {
     const m3_tune_candidate *c = &r->candidates[i];
     char m[32], lo[32], hi[32];

@@ -170,6 +170,9 @@ typedef struct m3_tune_record {
   m3_bucket bucket; /* the shape it was tuned at */
   const char *arch; /* required: "sm_90" ([a-z0-9_]+) */
   const char *tile; /* required: chosen tile */
+  const char *pinned; /* optional: why `tile` is not the tuner's pick (a whole decode-step A/B chose
+                       * it among the PASSED candidates: tools/seed_pin.py).  A later tune keeps it
+                       * while it times within 3% of its own pick (autotune/tune.c). */
   const char *default_tile;
   double default_us; /* µs, median of default_tile; NAN if unknown */
   double tuned_us;   /* µs, median of tile; NAN if unknown */

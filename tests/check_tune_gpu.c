@@ -105,6 +105,83 @@ START_TEST(runtime_reads_what_the_tuner_wrote) {
 }
 END_TEST
 
+/* A record pinned by a whole-step A/B (cache/tunedb.h `pinned`,
+ * tools/seed_pin.py): a later tune keeps the pinned tile while it times
+ * within the slack of the tuner's pick, and carries the reason over; a pinned
+ * tile that fails verification is dropped for the tuner's pick, and the pin
+ * with it.  The slack is forced (M3KIT_TUNE_PIN_SLACK) so that the outcome
+ * does not depend on which of two close tiles times faster. */
+static void tune_rmsnorm(const char *hook, m3_tune_result *res) {
+  if (hook) setenv("M3KIT_TUNE_TEST_HOOK", hook, 1);
+  m3_tune_opts o = {.preset = "minimax-m3", .only = "rmsnorm", .variant = "add=0,f32copy=0", .shapes = "tokens=1",
+                    .tiles = "threads=256;threads=512", .reps = 20, .db_path = dbfile};
+  m3_err e;
+  m3_status s = m3_tune_run(&g_rt, &o, res, &e);
+  unsetenv("M3KIT_TUNE_TEST_HOOK");
+  ck_assert_msg(s == M3_OK, "%s", e.msg);
+  ck_assert_int_eq(res->n_rows, 1);
+}
+static m3_tunedb *load_dbfile(void) {
+  m3_tunedb *db = m3_tunedb_new();
+  m3_tunedb_report rep;
+  m3_err e;
+  ck_assert_int_eq(m3_tunedb_load(db, dbfile, NULL, NULL, &rep, &e), M3_OK);
+  ck_assert_uint_eq(m3_tunedb_count(db), 1);
+  return db;
+}
+
+START_TEST(pinned_tile_kept_within_slack_dropped_when_broken) {
+  unlink(dbfile);
+  m3_tune_result res;
+  tune_rmsnorm(NULL, &res);
+  m3_tune_result_free(&res);
+  m3_tunedb *first = load_dbfile();
+  const m3_tune_record *r = m3_tunedb_get(first, 0);
+  ck_assert_ptr_null(r->pinned);
+  /* Pin the tile the tuner did not choose (this tune may have cut its
+   * timing short as 3x slower: the pinned record lists no candidates; the
+   * next tune times a pinned tile in full). */
+  const char *other = !strcmp(r->tile, "threads=256") ? "threads=512" : "threads=256";
+  m3_tune_record p = *r;
+  p.tile = other;
+  p.n_candidates = 0;
+  p.candidates = NULL;
+  p.pinned = "test: a step A/B chose it";
+  m3_tunedb *pins = m3_tunedb_new();
+  m3_err e;
+  ck_assert_msg(m3_tunedb_put(pins, &p, &e) == M3_OK, "%s", e.msg);
+  struct m3_tunedb *saved = g_rt.db;
+  g_rt.db = pins; /* what the tuner reads as the earlier records (seed + user DB) */
+
+  setenv("M3KIT_TUNE_PIN_SLACK", "1e9", 1);
+  tune_rmsnorm(NULL, &res);
+  ck_assert_str_eq(res.rows[0].tile, other);
+  ck_assert_int_eq(res.rows[0].n_incorrect, 0);
+  m3_tune_result_free(&res);
+  m3_tunedb *kept = load_dbfile();
+  ck_assert_str_eq(m3_tunedb_get(kept, 0)->tile, other);
+  ck_assert_ptr_nonnull(m3_tunedb_get(kept, 0)->pinned);
+  ck_assert_str_eq(m3_tunedb_get(kept, 0)->pinned, "test: a step A/B chose it");
+  m3_tunedb_free(kept);
+
+  char hook[64];
+  snprintf(hook, sizeof hook, "broken=%s", other);
+  tune_rmsnorm(hook, &res);
+  ck_assert_str_ne(res.rows[0].tile, other);
+  m3_tune_result_free(&res);
+  m3_tunedb *dropped = load_dbfile();
+  ck_assert_str_ne(m3_tunedb_get(dropped, 0)->tile, other);
+  ck_assert_ptr_null(m3_tunedb_get(dropped, 0)->pinned);
+  m3_tunedb_free(dropped);
+  unsetenv("M3KIT_TUNE_PIN_SLACK");
+
+  g_rt.db = saved;
+  m3_tunedb_free(pins);
+  m3_tunedb_free(first);
+  unlink(dbfile);
+}
+END_TEST
+
 /* One adapter at a tiny bucket with two candidate tiles, the first made
  * wrong by the hook: the tuner runs, rejects it as INCORRECT, and chooses
  * the other one (verified against the reference, so PASSED).  `direct`:
@@ -252,6 +329,10 @@ static Suite *make(void) {
   tcase_add_test(tc, slow_candidate_never_wins_and_times_exclude_compiles);
   tcase_add_test(tc, runtime_reads_what_the_tuner_wrote);
   suite_add_tcase(s, tc);
+  TCase *pin = tcase_create("pin");
+  tcase_set_timeout(pin, 900);
+  tcase_add_test(pin, pinned_tile_kept_within_slack_dropped_when_broken);
+  suite_add_tcase(s, pin);
   TCase *ad = tcase_create("adapters");
   tcase_set_timeout(ad, 1800);
   tcase_add_loop_test(ad, adapter_rejects_broken_candidate, 0, (int)(sizeof ADAPTERS / sizeof *ADAPTERS));

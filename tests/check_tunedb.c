@@ -155,6 +155,7 @@ static void assert_same_record(const m3_tune_record *a, const m3_tune_record *b)
   ck_assert(m3_bucket_equal(&a->bucket, &b->bucket));
   ck_assert(str_same(a->arch, b->arch));
   ck_assert(str_same(a->tile, b->tile));
+  ck_assert(str_same(a->pinned, b->pinned));
   ck_assert(str_same(a->default_tile, b->default_tile));
   ck_assert(num_same(a->default_us, b->default_us));
   ck_assert(num_same(a->tuned_us, b->tuned_us));
@@ -309,6 +310,7 @@ START_TEST(round_trip) {
   fill(&b, "qknorm_rope(attn=dense,insert=0,kv=bf16,idxk=bf16)", "tokens=4096,ctx=4096", "warps=8,tok=1");
   b.c[1].tile = "warps=2,tok=8";
   b.c[0].tile = "warps=8,tok=1";
+  b.r.pinned = "a decode-step A/B chose it (\"quoted\", non-ASCII \u00b5s)"; /* tools/seed_pin.py */
   /* Sparse optional data: NULL strings and NaN numbers must come back so. */
   fill(&c, "index_topk(k=16)", "", "threads=256");
   c.r.default_tile = NULL;

@@ -7,8 +7,9 @@ it between other kernels.  Where whole-step A/B runs (`device-run.sh ab`, one se
 the tuner's pick losing to another candidate, this sets the record of (KEY, BUCKET) to TILE, which
 must be one of its PASSED candidates: tile, tuned_us and the metric from that candidate's own
 timing (the tuner's numbers stay the tuner's), code_hash of TILE's rendering (`m3kit gen --emit`),
-and TEXT (the A/B and where its logs are) appended to provenance.command, so that the file says
-why its winner is not the fastest candidate.  DB is rewritten in the seed's layout
+and TEXT (the A/B and where its logs are) as the record's `pinned` field and appended to
+provenance.command, so that the file says why its winner is not the fastest candidate; a later
+`m3kit tune` keeps a pinned tile while it times within 3% of the tuner's own pick.  DB is rewritten in the seed's layout
 (tools/seed_merge.py) through a temporary file and a rename, under the tuners' lock."""
 import fcntl, json, os, subprocess, sys, tempfile
 
@@ -55,6 +56,15 @@ def main():
         m['achieved'] = m['achieved'] * old_us / us
         if m.get('ceiling'):
             m['pct_of_ceiling'] = 100.0 * m['achieved'] / m['ceiling']
+    # "pinned" (after "tile", as m3kit writes it): a later `m3kit tune` keeps this tile while it times
+    # within 3% of the tuner's own pick (autotune/tune.c)
+    items = list(r.items())
+    r.clear()
+    for k, v in items:
+        if k != 'pinned':
+            r[k] = v
+        if k == 'tile':
+            r['pinned'] = why
     prov = r['provenance']
     prov['code_hash'] = code
     prov['command'] = prov.get('command', '') + ' (winner pinned by tools/seed_pin.py: [%s], tuner %.2f us, over [%s], ' \
