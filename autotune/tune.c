@@ -19,6 +19,7 @@
 #include "runtime/log.h"
 #include "runtime/model_dims.h"
 #include "runtime/nvrtc.h"
+#include "runtime/tuning_lookup.h"
 
 static double now_s(void) {
   struct timespec t;
@@ -74,12 +75,60 @@ static double graph_below_us(int *forced) {
 }
 #define GRAPH_LAUNCHES 16
 
-/* How much slower than the tuner's own pick a pinned tile may time and still
- * be kept (cache/tunedb.h `pinned`): 3%, or $M3KIT_TUNE_PIN_SLACK (a
- * fraction; tests set it to keep or drop a pin whatever the timings). */
+/* How much slower than the tuner's choice a pinned tile may time and still
+ * be kept (cache/tunedb.h `pinned`): 0.03 (3%), or $M3KIT_TUNE_PIN_SLACK, a
+ * fraction (tests set it to keep or drop a pin whatever the timings). */
 static double pin_slack(void) {
   const char *v = getenv("M3KIT_TUNE_PIN_SLACK");
-  return v && *v ? atof(v) : 0.03;
+  char *end = NULL;
+  const double x = v && *v ? strtod(v, &end) : 0.03;
+  if (v && *v && (*end || !isfinite(x))) {
+    m3_warn_once("M3KIT_TUNE_PIN_SLACK=%s is not a number: using 0.03", v);
+    return 0.03;
+  }
+  return x;
+}
+
+/* The pinned record of a shape: the one the runtime reads (the user's DB
+ * over the seed) if pinned, else the seed's own (a pin the seed ships then
+ * reaches a user who tuned that shape before it existed); NULL if neither. */
+static const m3_tune_record *pin_of(const m3_tunedb *db, const m3_tunedb *seed, const char *key, const m3_bucket *b,
+                                    const char *arch) {
+  const m3_tunedb *in[2] = {db, seed};
+  for (int i = 0; i < 2; i++) {
+    const m3_tune_record *r = in[i] ? m3_tunedb_find(in[i], key, b, arch) : NULL;
+    if (r && r->pinned && *r->pinned) return r;
+  }
+  return NULL;
+}
+
+typedef struct { char s[M3_BUCKET_STR_MAX]; } bucket_text;
+static bucket_text row_bucket_text(const m3_bucket *b) {
+  bucket_text t;
+  m3_bucket_format(b, t.s, sizeof t.s);
+  return t;
+}
+
+/* Candidates a and b re-timed back to back (a, b, a, b), each keeping its
+ * faster pass, into cs[a] and cs[b].  1, or 0 with e (cs untouched). */
+static int retime_pair(m3_rt *rt, const m3_tune_op *op, void *st, m3_kernel **kq, int warmup, int reps,
+                       m3_tune_candidate *cs, int a, int b, m3_err *e) {
+  m3_tune_candidate again[2][2];
+  const int who[2] = {a, b};
+  for (int round = 0; round < 2; round++)
+    for (int w = 0; w < 2; w++)
+      if (m3_tune_time_kernel(rt, op, st, kq[who[w]], warmup, reps, 0, &again[round][w], NULL, e) != M3_OK ||
+          again[round][w].disposition != M3_DISP_PASSED) {
+        if (again[round][w].disposition != M3_DISP_PASSED) m3_errf(e, M3_MISMATCH, "a re-timed candidate did not pass");
+        return 0;
+      }
+  for (int w = 0; w < 2; w++) {
+    const m3_tune_candidate *f = again[0][w].median_us <= again[1][w].median_us ? &again[0][w] : &again[1][w];
+    m3_tune_candidate *c = &cs[who[w]];
+    c->median_us = f->median_us, c->p20_us = f->p20_us, c->p80_us = f->p80_us, c->n_runs = f->n_runs;
+    c->disposition = M3_DISP_PASSED;
+  }
+  return 1;
 }
 
 typedef struct graph_arg {
@@ -377,9 +426,25 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
     if (sl) *sl = 0, m3_mkdirs(dir, e);
   }
   m3_tunedb *db = m3_tunedb_new();
+  /* The seed's records on their own, for its pins (pin_of), checked as the
+   * runtime checks them. */
+  m3_tunedb *seed_pins = m3_tunedb_new();
+  if (seed_pins) {
+    char seedp[4200], sdrv[32];
+    snprintf(sdrv, sizeof sdrv, "%d", rt->dev.driver_version);
+    m3_tuning_hash_ctx hc = {.lua = rt->jit.lua};
+    m3_tunedb_filter sf;
+    m3_tuning_filter_init(&sf, &hc, rt->dev.arch, sdrv);
+    const char *sp = m3_tuning_seed_path(rt->dev.arch, seedp, sizeof seedp);
+    m3_err le;
+    if (sp && m3_tunedb_load(seed_pins, NULL, sp, &sf, NULL, &le) != M3_OK)
+      m3_warn("tune: the seed's pins not read: %s", le.msg);
+  }
   res->rows = calloc((size_t)(nj ? nj : 1), sizeof *res->rows);
   if (!db || !res->rows) {
     s = m3_errf(e, M3_NOMEM, "tuner DB");
+    m3_tunedb_free(db);
+    m3_tunedb_free(seed_pins);
     goto out;
   }
   char drv[32], nvv[32], cbv[32], date[40];
@@ -419,8 +484,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
      * stop), to be weighed against this tune's pick below. */
     char keytext[512];
     m3_variant_print_axes(&j->key, keytext, sizeof keytext);
-    const m3_tune_record *prev = rt->db ? m3_tunedb_find(rt->db, keytext, &j->bucket, rt->dev.arch) : NULL;
-    if (prev && !prev->pinned) prev = NULL;
+    const m3_tune_record *prev = pin_of(rt->db, seed_pins, keytext, &j->bucket, rt->dev.arch);
     m3_kernel **kq = calloc((size_t)j->n_cand, sizeof *kq);
     for (int q = 0; q < j->n_cand; q++) {
       m3_jit_job *cj = &cands[j->first_cand + q];
@@ -483,37 +547,71 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
      * here too. */
     if (kq && def_i >= 0 && best_i >= 0 && def_i != best_i && kq[def_i] && kq[best_i] &&
         (cs[def_i].disposition == M3_DISP_PASSED || cs[def_i].disposition == M3_DISP_SKIPPED_SLOWER)) {
-      m3_tune_candidate again[2][2];
-      const int who[2] = {def_i, best_i};
       m3_err ke;
-      int ok = 1;
-      for (int round = 0; round < 2 && ok; round++)
-        for (int w = 0; w < 2 && ok; w++)
-          ok = m3_tune_time_kernel(rt, j->op, st, kq[who[w]], warmup, reps, 0, &again[round][w], NULL, &ke) == M3_OK &&
-               again[round][w].disposition == M3_DISP_PASSED;
-      if (ok) {
-        for (int w = 0; w < 2; w++) {
-          const m3_tune_candidate *f = again[0][w].median_us <= again[1][w].median_us ? &again[0][w] : &again[1][w];
-          m3_tune_candidate *c = &cs[who[w]];
-          c->median_us = f->median_us, c->p20_us = f->p20_us, c->p80_us = f->p80_us, c->n_runs = f->n_runs;
-          c->disposition = M3_DISP_PASSED;
-        }
+      if (retime_pair(rt, j->op, st, kq, warmup, reps, cs, def_i, best_i, &ke))
         best = cs[best_i].median_us;
-      } else {
+      else
         m3_warn("tune: %s %s: re-timing the default against the winner failed: %s", j->op->template_name,
                 j->key.op, ke.msg);
+    }
+    /* The default stays unless a candidate is >= 2% faster. */
+    int choose = best_i;
+    if (def_i >= 0 && cs[def_i].disposition == M3_DISP_PASSED && best_i >= 0 &&
+        cs[best_i].median_us > 0.98 * cs[def_i].median_us)
+      choose = def_i;
+    /* A pinned record of this shape (tools/seed_pin.py: a whole decode-step
+     * A/B chose its tile) keeps its tile while it times within pin_slack()
+     * of the choice above, the two re-timed back to back: the tuner times a
+     * kernel alone, the step between others, and the two disagreed by more
+     * than the tuner's differences (device runs 40-43: MoE down candidates
+     * within 2% here, 6% apart in the step).  A pin that could not be timed
+     * this time (not among --tiles, a compile timeout, a launch error) leaves
+     * the shape's record as it was; one that now fails verification, is
+     * refused by valid() or does not compile, or times slower, gives way to
+     * the choice, with a warning. */
+    const char *pin_why = NULL;
+    int skip_record = 0;
+    if (prev && choose >= 0) {
+      int q = 0;
+      while (q < j->n_cand && strcmp(tiles[q], prev->tile)) q++;
+      const m3_disposition d = q < j->n_cand ? cs[q].disposition : M3_DISP_COUNT;
+      const char *lost = NULL;
+      char why[160] = "";
+      if (q == j->n_cand || d == M3_DISP_COMPILE_TIMEOUT || d == M3_DISP_LAUNCH_ERROR) {
+        skip_record = 1;
+        m3_warn("tune: %s %s: the pinned tile %s %s: the record of this shape is left as it was (pinned because: %s)",
+                prev->key, row_bucket_text(&j->bucket).s, prev->tile,
+                q == j->n_cand ? "was not among this run's candidates" : "could not be timed", prev->pinned);
+      } else if (d != M3_DISP_PASSED) {
+        snprintf(why, sizeof why, "failed: %s", m3_disposition_name(d));
+        lost = why;
+      } else {
+        m3_err ke;
+        if (q != choose && kq && kq[q] && kq[choose] && !retime_pair(rt, j->op, st, kq, warmup, reps, cs, q, choose, &ke))
+          m3_warn("tune: %s %s: re-timing the pinned tile against the choice failed: %s", prev->key,
+                  row_bucket_text(&j->bucket).s, ke.msg);
+        if (cs[q].median_us <= (1.0 + pin_slack()) * cs[choose].median_us) {
+          if (q != choose && o->progress)
+            fprintf(o->progress, "  %s %s: kept the pinned tile %s (%.2f us; the tuner's choice %s %.2f us): %s\n",
+                    prev->key, row_bucket_text(&j->bucket).s, tiles[q], cs[q].median_us, tiles[choose],
+                    cs[choose].median_us, prev->pinned);
+          choose = q;
+          pin_why = prev->pinned;
+        } else {
+          snprintf(why, sizeof why, "timed %.2f us against %.2f (more than %.1f%% slower)", cs[q].median_us,
+                   cs[choose].median_us, 100.0 * pin_slack());
+          lost = why;
+        }
       }
+      if (lost)
+        m3_warn("tune: %s %s: the pinned tile %s %s; the record takes the tuner's choice %s (pinned because: %s)",
+                prev->key, row_bucket_text(&j->bucket).s, prev->tile, lost, tiles[choose], prev->pinned);
     }
     free(kq);
     double work = (ss == M3_OK && j->op->work) ? j->op->work(st) : 0;
     const char *unit = (ss == M3_OK && j->op->unit_of) ? j->op->unit_of(st) : j->op->unit;
     if (st) j->op->teardown(st); /* a failed setup leaves a partial state */
     const double shape_s = now_s() - t_shape;
-    /* The default stays unless a candidate is >= 2% faster. */
-    int choose = best_i;
-    if (def_i >= 0 && cs[def_i].disposition == M3_DISP_PASSED && best_i >= 0 &&
-        cs[best_i].median_us > 0.98 * cs[def_i].median_us)
-      choose = def_i;
     m3_tune_row *row = &res->rows[res->n_rows];
     snprintf(row->op, sizeof row->op, "%s", j->op->template_name);
     m3_variant_print_axes(&j->key, row->key, sizeof row->key);
@@ -529,29 +627,6 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
                        cs[q].disposition == M3_DISP_COMPILE_TIMEOUT;
     }
     row->default_us = def_i >= 0 ? cs[def_i].median_us : NAN;
-    /* A record pinned by a whole decode-step measurement (tools/seed_pin.py)
-     * keeps its tile while this tune times it within pin_slack() of its own
-     * pick: the tuner times a kernel alone, the step between others, and the
-     * two disagreed by more than the tuner's differences (device runs 40-43:
-     * MoE down candidates within 2% here, 6% apart in the step). */
-    const char *pin_why = NULL;
-    if (prev && choose >= 0) {
-      int q = 0;
-      while (q < j->n_cand && strcmp(tiles[q], prev->tile)) q++;
-      const int ok = q < j->n_cand && cs[q].disposition == M3_DISP_PASSED;
-      if (ok && cs[q].median_us <= (1.0 + pin_slack()) * cs[choose].median_us) {
-        if (q != choose && o->progress)
-          fprintf(o->progress, "  %s %s: kept the pinned tile %s (%.2f us; the tuner's pick %s %.2f us): %s\n", row->key,
-                  row->bucket, tiles[q], cs[q].median_us, tiles[choose], cs[choose].median_us, prev->pinned);
-        choose = q;
-        pin_why = prev->pinned;
-      } else {
-        m3_warn("tune: %s %s: the pinned tile %s %s; the record takes the tuner's pick %s (pinned because: %s)",
-                row->key, row->bucket, prev->tile,
-                q == j->n_cand ? "was not a candidate" : !ok ? "did not pass" : "timed more than the slack slower",
-                tiles[choose], prev->pinned);
-      }
-    }
     if (choose >= 0) {
       snprintf(row->tile, sizeof row->tile, "%s", tiles[choose]);
       row->tuned_us = cs[choose].median_us;
@@ -589,7 +664,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
       r.n_candidates = (size_t)j->n_cand;
       r.candidates = cs;
       m3_err pe;
-      if (m3_tunedb_put(db, &r, &pe) != M3_OK) m3_warn("tune: record for %s %s not kept: %s", row->key, row->bucket, pe.msg);
+      if (!skip_record && m3_tunedb_put(db, &r, &pe) != M3_OK) m3_warn("tune: record for %s %s not kept: %s", row->key, row->bucket, pe.msg);
     }
     res->n_rows++;
     free(cs);
@@ -604,6 +679,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
     }
   }
   if (db) m3_tunedb_free(db);
+  if (seed_pins) m3_tunedb_free(seed_pins);
 out:;
   /* A timed-out compile may still be running on a detached thread that reads
    * its job: leave the jobs allocated then (the process ends soon after). */

@@ -1457,10 +1457,19 @@ void m3_tunedb_print(const m3_tunedb *db, FILE *out) {
     size_t passed = 0;
     for (size_t c = 0; c < r->n_candidates; c++) passed += r->candidates[c].disposition == M3_DISP_PASSED;
     snprintf(pc, sizeof pc, "%zu/%zu", passed, r->n_candidates);
-    fprintf(out, "%-*s  %-*s  %-6s  %-*s  %-*s  %10s  %10s  %7s  %-28s  %-9s  %s\n", wk, r->key, wb, b, r->arch, wt,
-            r->tile, wd, r->default_tile ? r->default_tile : "-", du, tu, sp, met, pc, origin_name(db->v[i].origin));
+    fprintf(out, "%-*s  %-*s  %-6s  %-*s  %-*s  %10s  %10s  %7s  %-28s  %-9s  %s%s\n", wk, r->key, wb, b, r->arch, wt,
+            r->tile, wd, r->default_tile ? r->default_tile : "-", du, tu, sp, met, pc, origin_name(db->v[i].origin),
+            r->pinned ? ",pinned" : "");
   }
   fprintf(out, "%zu records\n", db->n);
+  /* Why a pinned record's tile is not the tuner's pick (cache/tunedb.h). */
+  for (size_t i = 0; i < db->n; i++) {
+    const m3_tune_record *r = &db->v[i].r;
+    if (!r->pinned) continue;
+    char b[M3_BUCKET_STR_MAX];
+    m3_bucket_format(&r->bucket, b, sizeof b);
+    fprintf(out, "pinned: %s %s [%s]: %s\n", r->key, b, r->tile, r->pinned);
+  }
 }
 
 void m3_tunedb_print_record(const m3_tune_record *r, FILE *out) {

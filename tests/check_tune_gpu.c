@@ -105,22 +105,39 @@ START_TEST(runtime_reads_what_the_tuner_wrote) {
 }
 END_TEST
 
+static char *read_file_all(const char *path, size_t *n) {
+  FILE *f = fopen(path, "rb");
+  ck_assert_ptr_nonnull(f);
+  fseek(f, 0, SEEK_END);
+  long len = ftell(f);
+  rewind(f);
+  char *b = malloc((size_t)len + 1);
+  ck_assert_ptr_nonnull(b);
+  ck_assert_uint_eq(fread(b, 1, (size_t)len, f), (size_t)len);
+  fclose(f);
+  *n = (size_t)len;
+  return b;
+}
+
 /* A record pinned by a whole-step A/B (cache/tunedb.h `pinned`,
  * tools/seed_pin.py): a later tune keeps the pinned tile while it times
  * within the slack of the tuner's pick, and carries the reason over; a pinned
- * tile that fails verification is dropped for the tuner's pick, and the pin
- * with it.  The slack is forced (M3KIT_TUNE_PIN_SLACK) so that the outcome
- * does not depend on which of two close tiles times faster. */
-static void tune_rmsnorm(const char *hook, m3_tune_result *res) {
+ * tile that times slower than the slack or fails verification is dropped
+ * for the tuner's pick, and the pin with it; one that is not among the run's
+ * candidates leaves the record as it was.  The slack is forced
+ * (M3KIT_TUNE_PIN_SLACK) so that the outcome does not depend on which of two
+ * close tiles times faster. */
+static void tune_rmsnorm_tiles(const char *hook, const char *tiles, m3_tune_result *res) {
   if (hook) setenv("M3KIT_TUNE_TEST_HOOK", hook, 1);
   m3_tune_opts o = {.preset = "minimax-m3", .only = "rmsnorm", .variant = "add=0,f32copy=0", .shapes = "tokens=1",
-                    .tiles = "threads=256;threads=512", .reps = 20, .db_path = dbfile};
+                    .tiles = tiles, .reps = 20, .db_path = dbfile};
   m3_err e;
   m3_status s = m3_tune_run(&g_rt, &o, res, &e);
   unsetenv("M3KIT_TUNE_TEST_HOOK");
   ck_assert_msg(s == M3_OK, "%s", e.msg);
   ck_assert_int_eq(res->n_rows, 1);
 }
+static void tune_rmsnorm(const char *hook, m3_tune_result *res) { tune_rmsnorm_tiles(hook, "threads=256;threads=512", res); }
 static m3_tunedb *load_dbfile(void) {
   m3_tunedb *db = m3_tunedb_new();
   m3_tunedb_report rep;
@@ -163,6 +180,27 @@ START_TEST(pinned_tile_kept_within_slack_dropped_when_broken) {
   ck_assert_ptr_nonnull(m3_tunedb_get(kept, 0)->pinned);
   ck_assert_str_eq(m3_tunedb_get(kept, 0)->pinned, "test: a step A/B chose it");
   m3_tunedb_free(kept);
+
+  /* Slower than the slack allows (forced: no slack at all, and less): the choice wins. */
+  setenv("M3KIT_TUNE_PIN_SLACK", "-0.5", 1);
+  tune_rmsnorm(NULL, &res);
+  ck_assert_str_ne(res.rows[0].tile, other);
+  m3_tune_result_free(&res);
+  m3_tunedb *slower = load_dbfile();
+  ck_assert_str_ne(m3_tunedb_get(slower, 0)->tile, other);
+  ck_assert_ptr_null(m3_tunedb_get(slower, 0)->pinned);
+  m3_tunedb_free(slower);
+  setenv("M3KIT_TUNE_PIN_SLACK", "1e9", 1);
+
+  /* Not among this run's candidates: the record is left as it was. */
+  size_t n0, n1;
+  char *before = read_file_all(dbfile, &n0);
+  tune_rmsnorm_tiles(NULL, strcmp(other, "threads=256") ? "threads=256" : "threads=512", &res);
+  m3_tune_result_free(&res);
+  char *after = read_file_all(dbfile, &n1);
+  ck_assert(n0 == n1 && !memcmp(before, after, n0));
+  free(before);
+  free(after);
 
   char hook[64];
   snprintf(hook, sizeof hook, "broken=%s", other);

@@ -21,7 +21,8 @@ for f in news:
         if k in idx: recs[idx[k]] = r
         else: idx[k] = len(recs); recs.append(r)
 def one(v): return json.dumps(v, separators=(', ', ': '))
-out = ['{', '  "format": %s,' % one(d['format']), '  "version": %s,' % one(d['version']), '  "records": [']
+# other top-level fields (a "comment", a newer m3kit's) are carried, before the records
+out = ['{'] + ['  %s: %s,' % (one(k), one(v)) for k, v in d.items() if k != 'records'] + ['  "records": [']
 for j, r in enumerate(recs):
     lines = []
     for k, v in r.items():

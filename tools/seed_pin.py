@@ -32,9 +32,16 @@ def main():
     if len(args) != 4 or not why:
         sys.exit(__doc__)
     db_path, key, bucket, tile = args
-    lock = open(db_path + '.lock', 'a')
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    d = json.load(open(db_path))
+    # A symlinked DB is edited (and locked, as m3kit's m3_lock does) at its target.
+    db_path = os.path.realpath(db_path)
+    try:
+        os.stat(db_path)  # before the lock file is made beside it
+        lock = open(db_path + '.lock', 'a')
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        mode = os.stat(db_path).st_mode & 0o7777
+        d = json.load(open(db_path))
+    except (OSError, ValueError) as ex:
+        sys.exit('seed_pin.py: %s: %s' % (db_path, ex))
     recs = [r for r in d['records'] if r['key'] == key and r['bucket'] == bucket]
     if len(recs) != 1:
         sys.exit('seed_pin.py: %s: %d records of %s at %s' % (db_path, len(recs), key, bucket))
@@ -44,11 +51,21 @@ def main():
         sys.exit('seed_pin.py: %s at %s: no PASSED candidate [%s]' % (key, bucket, tile))
     full = '%s[%s]@%s' % (key, tile, r['arch'])
     env = dict(os.environ, M3KIT_CACHE_DIR=os.path.join(tempfile.gettempdir(), 'm3kit-pin-cache'))
-    p = subprocess.run([m3kit, 'gen', '--emit', full], env=env, capture_output=True, text=True)
-    head = p.stdout.split('\n', 1)[0]
-    if p.returncode or 'code hash ' not in head:
-        sys.exit('seed_pin.py: m3kit gen --emit %s: %s' % (full, (p.stderr or head).strip()))
-    code = head.split('code hash ', 1)[1].split()[0]
+    try:
+        p = subprocess.run([m3kit, 'gen', '--emit', full], env=env, capture_output=True, text=True)
+    except OSError as ex:
+        sys.exit('seed_pin.py: cannot run %s: %s' % (m3kit, ex))
+    head = p.stdout.split('\n', 2)
+    if p.returncode or len(head) < 2 or 'code hash ' not in head[0] or 'template hash ' not in head[1]:
+        sys.exit('seed_pin.py: m3kit gen --emit %s: %s' % (full, (p.stderr or p.stdout[:200]).strip()))
+    code = head[0].split('code hash ', 1)[1].split()[0]
+    # The record's timings are of the code its template rendered then: only where the template the
+    # m3kit renders today is that one is TILE's rendering the code its candidate timing measured.
+    now = head[1].split('template hash ', 1)[1].split(')')[0]
+    if now != r['provenance'].get('template_hash'):
+        sys.exit('seed_pin.py: %s: the record was tuned with template hash %s, %s renders %s: carry it over '
+                 'first (m3kit tune --rehash, tools/rekey.py) or re-tune it' %
+                 (key, r['provenance'].get('template_hash'), m3kit, now))
     old_tile, old_us, us = r['tile'], r['tuned_us'], cand[0]['median_us']
     r['tile'], r['tuned_us'] = tile, us
     m = r.get('metric')
@@ -69,10 +86,13 @@ def main():
     prov['code_hash'] = code
     prov['command'] = prov.get('command', '') + ' (winner pinned by tools/seed_pin.py: [%s], tuner %.2f us, over [%s], ' \
         'tuner %.2f us: %s)' % (tile, us, old_tile, old_us, why)
-    fd, t = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(db_path)), prefix='.pin.')
+    fd, t = tempfile.mkstemp(dir=os.path.dirname(db_path), prefix='.pin.')
     with os.fdopen(fd, 'w') as f:
         json.dump(d, f)
     subprocess.run([sys.executable, os.path.join(HERE, 'seed_merge.py'), t], check=True)
+    os.chmod(t, mode)  # mkstemp made it 0600
+    with open(t, 'rb') as f:
+        os.fsync(f.fileno())
     os.replace(t, db_path)
     print('%s: %s at %s -> [%s] (was [%s])' % (db_path, key, bucket, tile, old_tile))
 
