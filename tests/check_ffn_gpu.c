@@ -23,6 +23,7 @@
 #include "gen/render.h"
 #include "runtime/gemm.h"
 #include "runtime/jit.h"
+#include "runtime/model.h"
 #include "runtime/op_ffn.h"
 #include "tests/gpu_main.h"
 
@@ -843,6 +844,44 @@ START_TEST(gemv_odd_rows_and_router) {
 }
 END_TEST
 
+/* A W8A16 tile with lead=1 streams weights before its grid wait; x is the
+ * previous kernel's output and must be read after it.  Here the previous
+ * kernel writes x (a fill over a NaN-poisoned buffer) and the GEMV follows on
+ * the same stream with no sync: under programmatic dependent launch, a GEMV
+ * that staged x early reads NaN or half-written rows.  The seed's lead=1
+ * winners at the model's shapes (the emulator runs kernels one after the
+ * other: there this checks the arithmetic only). */
+START_TEST(gemv_lead_reads_x_after_the_wait) {
+  static const struct { int64_t rows, cols; const char *tile; } L[] = {
+      {9856, 6144, "warps=8,rpw=1,unroll=8,cvt=hw,pipe=4,tpc=0,lead=1"},
+      {6144, 8192, "warps=4,rpw=1,unroll=4,cvt=hw,pipe=4,tpc=1,lead=1"},
+      {6144, 12288, "warps=8,rpw=1,unroll=8,cvt=hw,pipe=3,tpc=3,lead=1"},
+      {6144, 3072, "warps=4,rpw=2,unroll=4,cvt=hw,pipe=4,tpc=1,lead=1"}};
+  const int64_t rows = real_rows(L[_i].rows), cols = L[_i].cols;
+  m3_rng r = rng_for(4242 + (uint64_t)_i);
+  uint8_t *q, *sc;
+  rand_mxfp8(&r, rows, cols, &q, &sc, 0);
+  void *d_w = dup(q, (size_t)(rows * cols)), *d_s = dup(sc, (size_t)(rows * cols / 32));
+  void *d_x = dpoison(sizeof(m3_bf16) * (size_t)cols), *d_y = dpoison(sizeof(m3_bf16) * (size_t)rows);
+  m3_gemv_args a = {.n = 1, .rows = rows, .cols = cols, .wfmt = M3_GEMV_E4M3};
+  m3_variant v;
+  m3_err e;
+  ck_assert_int_eq(m3_gemv_key(&a, 1, &v, &e), M3_OK);
+  m3_kernel *k = kern(&v, L[_i].tile);
+  char ctx[1400];
+  ctx_of(k, "gemv after a kernel that writes x", ctx, sizeof ctx);
+  GPU_CHECK(m3_fill(&g_rt, d_x, cols, "bf16", m3_rng_next(&r), 1.0f, g_rt.stream, &e_));
+  GPU_CHECK(m3_launch_gemv(k, &a, d_x, d_w, d_s, d_y, g_rt.stream, &e_));
+  sync_ok();
+  m3_bf16 *x = down(d_x, sizeof *x * (size_t)cols), *y = down(d_y, sizeof *y * (size_t)rows);
+  m3_bf16 *yref = malloc(sizeof *yref * (size_t)rows);
+  ck_assert_int_eq(m3_ref_gemm_w8a16(1, rows, cols, x, q, sc, yref, &e), M3_OK);
+  expect_rel(ctx, y, yref, (size_t)rows, 1e-2);
+  m3_dev_free(d_w); m3_dev_free(d_s); m3_dev_free(d_x); m3_dev_free(d_y);
+  free(q); free(sc); free(x); free(y); free(yref);
+}
+END_TEST
+
 /* tpc 1 (a loop of its own), 8 and 0 (the multi-tile loop: fixed, balanced) */
 static int tpc_0_1_or_8(const char *t) { return strstr(t, "tpc=0") || strstr(t, "tpc=1") || strstr(t, "tpc=8"); }
 
@@ -1399,6 +1438,7 @@ static Suite *make(void) {
   tcase_add_loop_test(c[6].tc, gemv_w8a16_shapes, 0, 16);
   tcase_add_loop_test(c[6].tc, gemv_w16a16_shapes, 0, 16);
   tcase_add_test(c[6].tc, gemv_odd_rows_and_router);
+  tcase_add_loop_test(c[6].tc, gemv_lead_reads_x_after_the_wait, 0, 4);
   /* every tile apart: it compiles a few hundred GEMV kernels */
   tcase_add_loop_test(c[9].tc, gemv_every_tile, 0, 3);
   tcase_add_loop_test(c[6].tc, gemv_moe_expert_shapes, 0, 2);
