@@ -147,6 +147,19 @@ static m3_tunedb *load_dbfile(void) {
   return db;
 }
 
+/* The tune (with `hook`) chose another tile than the pinned `pinned`, in its
+ * result and in the DB it wrote, and the record carries no pin. */
+static void expect_pin_dropped(const char *hook, const char *pinned) {
+  m3_tune_result res;
+  tune_rmsnorm(hook, &res);
+  ck_assert_str_ne(res.rows[0].tile, pinned);
+  m3_tune_result_free(&res);
+  m3_tunedb *db = load_dbfile();
+  ck_assert_str_ne(m3_tunedb_get(db, 0)->tile, pinned);
+  ck_assert_ptr_null(m3_tunedb_get(db, 0)->pinned);
+  m3_tunedb_free(db);
+}
+
 START_TEST(pinned_tile_kept_within_slack_dropped_when_broken) {
   unlink(dbfile);
   m3_tune_result res;
@@ -183,13 +196,7 @@ START_TEST(pinned_tile_kept_within_slack_dropped_when_broken) {
 
   /* Slower than the slack allows (forced: no slack at all, and less): the choice wins. */
   setenv("M3KIT_TUNE_PIN_SLACK", "-0.5", 1);
-  tune_rmsnorm(NULL, &res);
-  ck_assert_str_ne(res.rows[0].tile, other);
-  m3_tune_result_free(&res);
-  m3_tunedb *slower = load_dbfile();
-  ck_assert_str_ne(m3_tunedb_get(slower, 0)->tile, other);
-  ck_assert_ptr_null(m3_tunedb_get(slower, 0)->pinned);
-  m3_tunedb_free(slower);
+  expect_pin_dropped(NULL, other);
   setenv("M3KIT_TUNE_PIN_SLACK", "1e9", 1);
 
   /* Not among this run's candidates: the record is left as it was. */
@@ -204,13 +211,7 @@ START_TEST(pinned_tile_kept_within_slack_dropped_when_broken) {
 
   char hook[64];
   snprintf(hook, sizeof hook, "broken=%s", other);
-  tune_rmsnorm(hook, &res);
-  ck_assert_str_ne(res.rows[0].tile, other);
-  m3_tune_result_free(&res);
-  m3_tunedb *dropped = load_dbfile();
-  ck_assert_str_ne(m3_tunedb_get(dropped, 0)->tile, other);
-  ck_assert_ptr_null(m3_tunedb_get(dropped, 0)->pinned);
-  m3_tunedb_free(dropped);
+  expect_pin_dropped(hook, other);
   unsetenv("M3KIT_TUNE_PIN_SLACK");
 
   g_rt.db = saved;
