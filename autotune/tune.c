@@ -102,13 +102,6 @@ static const m3_tune_record *pin_of(const m3_tunedb *db, const m3_tunedb *seed, 
   return NULL;
 }
 
-typedef struct { char s[M3_BUCKET_STR_MAX]; } bucket_text;
-static bucket_text row_bucket_text(const m3_bucket *b) {
-  bucket_text t;
-  m3_bucket_format(b, t.s, sizeof t.s);
-  return t;
-}
-
 /* Candidates a and b re-timed back to back (a, b, a, b), each keeping its
  * faster pass, into cs[a] and cs[b].  1, or 0 with e (cs untouched). */
 static int retime_pair(m3_rt *rt, const m3_tune_op *op, void *st, m3_kernel **kq, int warmup, int reps,
@@ -440,6 +433,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
     if (sp && m3_tunedb_load(seed_pins, NULL, sp, &sf, NULL, &le) != M3_OK)
       m3_warn("tune: the seed's pins not read: %s", le.msg);
   }
+  const double slack = pin_slack();
   res->rows = calloc((size_t)(nj ? nj : 1), sizeof *res->rows);
   if (!db || !res->rows) {
     s = m3_errf(e, M3_NOMEM, "tuner DB");
@@ -482,9 +476,10 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
     /* An earlier record of this shape pinned by a whole decode-step
      * measurement (tools/seed_pin.py): its tile is timed in full (no early
      * stop), to be weighed against this tune's pick below. */
-    char keytext[512];
-    m3_variant_print_axes(&j->key, keytext, sizeof keytext);
-    const m3_tune_record *prev = pin_of(rt->db, seed_pins, keytext, &j->bucket, rt->dev.arch);
+    m3_tune_row *row = &res->rows[res->n_rows];
+    m3_variant_print_axes(&j->key, row->key, sizeof row->key);
+    m3_bucket_format(&j->bucket, row->bucket, sizeof row->bucket);
+    const m3_tune_record *prev = pin_of(rt->db, seed_pins, row->key, &j->bucket, rt->dev.arch);
     m3_kernel **kq = calloc((size_t)j->n_cand, sizeof *kq);
     for (int q = 0; q < j->n_cand; q++) {
       m3_jit_job *cj = &cands[j->first_cand + q];
@@ -560,8 +555,8 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
         cs[best_i].median_us > 0.98 * cs[def_i].median_us)
       choose = def_i;
     /* A pinned record of this shape (tools/seed_pin.py: a whole decode-step
-     * A/B chose its tile) keeps its tile while it times within pin_slack()
-     * of the choice above, the two re-timed back to back: the tuner times a
+     * A/B chose its tile) keeps its tile while it times within the slack
+     * (pin_slack) of the choice above, the two re-timed back to back: the tuner times a
      * kernel alone, the step between others, and the two disagreed by more
      * than the tuner's differences (device runs 40-43: MoE down candidates
      * within 2% here, 6% apart in the step).  A pin that could not be timed
@@ -580,7 +575,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
       if (q == j->n_cand || d == M3_DISP_COMPILE_TIMEOUT || d == M3_DISP_LAUNCH_ERROR) {
         skip_record = 1;
         m3_warn("tune: %s %s: the pinned tile %s %s: the record of this shape is left as it was (pinned because: %s)",
-                prev->key, row_bucket_text(&j->bucket).s, prev->tile,
+                row->key, row->bucket, prev->tile,
                 q == j->n_cand ? "was not among this run's candidates" : "could not be timed", prev->pinned);
       } else if (d != M3_DISP_PASSED) {
         snprintf(why, sizeof why, "failed: %s", m3_disposition_name(d));
@@ -588,34 +583,31 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
       } else {
         m3_err ke;
         if (q != choose && kq && kq[q] && kq[choose] && !retime_pair(rt, j->op, st, kq, warmup, reps, cs, q, choose, &ke))
-          m3_warn("tune: %s %s: re-timing the pinned tile against the choice failed: %s", prev->key,
-                  row_bucket_text(&j->bucket).s, ke.msg);
-        if (cs[q].median_us <= (1.0 + pin_slack()) * cs[choose].median_us) {
+          m3_warn("tune: %s %s: re-timing the pinned tile against the choice failed: %s", row->key,
+                  row->bucket, ke.msg);
+        if (cs[q].median_us <= (1.0 + slack) * cs[choose].median_us) {
           if (q != choose && o->progress)
             fprintf(o->progress, "  %s %s: kept the pinned tile %s (%.2f us; the tuner's choice %s %.2f us): %s\n",
-                    prev->key, row_bucket_text(&j->bucket).s, tiles[q], cs[q].median_us, tiles[choose],
+                    row->key, row->bucket, tiles[q], cs[q].median_us, tiles[choose],
                     cs[choose].median_us, prev->pinned);
           choose = q;
           pin_why = prev->pinned;
         } else {
           snprintf(why, sizeof why, "timed %.2f us against %.2f (more than %.1f%% slower)", cs[q].median_us,
-                   cs[choose].median_us, 100.0 * pin_slack());
+                   cs[choose].median_us, 100.0 * slack);
           lost = why;
         }
       }
       if (lost)
         m3_warn("tune: %s %s: the pinned tile %s %s; the record takes the tuner's choice %s (pinned because: %s)",
-                prev->key, row_bucket_text(&j->bucket).s, prev->tile, lost, tiles[choose], prev->pinned);
+                row->key, row->bucket, prev->tile, lost, tiles[choose], prev->pinned);
     }
     free(kq);
     double work = (ss == M3_OK && j->op->work) ? j->op->work(st) : 0;
     const char *unit = (ss == M3_OK && j->op->unit_of) ? j->op->unit_of(st) : j->op->unit;
     if (st) j->op->teardown(st); /* a failed setup leaves a partial state */
     const double shape_s = now_s() - t_shape;
-    m3_tune_row *row = &res->rows[res->n_rows];
     snprintf(row->op, sizeof row->op, "%s", j->op->template_name);
-    m3_variant_print_axes(&j->key, row->key, sizeof row->key);
-    m3_bucket_format(&j->bucket, row->bucket, sizeof row->bucket);
     snprintf(row->default_tile, sizeof row->default_tile, "%s", deftile);
     snprintf(row->unit, sizeof row->unit, "%s", unit);
     row->n_candidates = j->n_cand;
@@ -654,9 +646,13 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
       /* The code the chosen tile ran: the record outlives template edits
        * that leave it unchanged (gen/code_hash.h). */
       char ch[M3_CODE_HASH_TEXT] = "";
+      const m3_jit_job *won = &cands[j->first_cand + choose];
       uint64_t code;
       m3_err ce;
-      if (m3_render_code_hash(rt->jit.lua, &cands[j->first_cand + choose].v, &code, &ce) == M3_OK) {
+      if (won->src.text) { /* rendered for its compile: no second rendering */
+        m3_code_hash_text(m3_source_code_hash(&won->src), ch, sizeof ch);
+        r.prov.code_hash = ch;
+      } else if (m3_render_code_hash(rt->jit.lua, &won->v, &code, &ce) == M3_OK) {
         m3_code_hash_text(code, ch, sizeof ch);
         r.prov.code_hash = ch;
       }

@@ -101,6 +101,13 @@ START_TEST(runtime_reads_what_the_tuner_wrote) {
   m3_bucket_add(&b, "tokens", m3_test_emulated() ? 5 : 50, NULL); /* nearest bucket: the tuned one */
   ck_assert(m3_tuning_lookup_checked(db, g_rt.jit.lua, &v, &b, tile, sizeof tile));
   ck_assert_str_eq(tile, r->tile);
+  /* The code hash it wrote (from the source compiled for the sweep) is that
+   * of the chosen tile's rendering: what a load checks after a template edit. */
+  m3_tuning_hash_ctx hc = {.lua = g_rt.jit.lua};
+  const char *code = m3_tuning_code_hash(&hc, r->key, r->tile, r->arch);
+  ck_assert_ptr_nonnull(code);
+  ck_assert_ptr_nonnull(r->prov.code_hash);
+  ck_assert_str_eq(r->prov.code_hash, code);
   m3_tunedb_free(db);
 }
 END_TEST
