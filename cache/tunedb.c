@@ -665,12 +665,12 @@ typedef struct load_notes {
   char newer[600];
 } load_notes;
 
-/* The template name is the key's text before '(' (practice 4's key form). */
 /* A code hash of the filter's scheme (hashed by this build's normalisation). */
 static int has_scheme(const char *code_hash, const char *scheme) {
   return code_hash && scheme && !strncmp(code_hash, scheme, strlen(scheme));
 }
 
+/* The template name is the key's text before '(' (practice 4's key form). */
 static void template_name(const char *key, char *buf, size_t n) {
   size_t len = strcspn(key, "(");
   snprintf(buf, n, "%.*s", (int)len, key);
