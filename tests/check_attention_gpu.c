@@ -481,18 +481,11 @@ START_TEST(every_valid_tile_same_answer) {
   prob_upload(&p);
   m3_bf16 *ref = prob_ref(&p, sparse);
   m3_attn_args a = prob_args(&p);
-  m3_variant v, *tiles;
-  int n;
+  m3_variant v;
   m3_err e;
   ck_assert_int_eq(sparse ? m3_attn_sparse_key(&a, mode, &v, &e) : m3_attn_dense_key(&a, mode, &v, &e), M3_OK);
-  snprintf(v.arch, sizeof v.arch, "%s", g_rt.dev.arch);
-  ck_assert_int_eq(m3_render_tiles(g_rt.jit.lua, &v, &tiles, &n, &e), M3_OK);
-  char (*valid)[256] = malloc(sizeof *valid * (size_t)(n ? n : 1));
-  ck_assert_ptr_nonnull(valid);
-  int ran = 0;
-  for (int i = 0; i < n; i++)
-    if (m3_render_valid(g_rt.jit.lua, &tiles[i], NULL, 0, &e) == M3_OK)
-      m3_variant_print_tile(&tiles[i], valid[ran++], sizeof valid[0]);
+  char (*valid)[256];
+  const int ran = gpu_valid_tiles(&v, &valid);
   gpu_prewarm_tiles(&v, valid, ran);
   for (int i = 0; i < ran; i++) {
     char ctx[M3_KEY_MAX];
@@ -502,7 +495,6 @@ START_TEST(every_valid_tile_same_answer) {
   }
   ck_assert_int_gt(ran, 1);
   free(valid);
-  free(tiles);
   free(ref);
   prob_free(&p);
 }

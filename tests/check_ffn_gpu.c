@@ -79,23 +79,6 @@ static m3_kernel *kern(const m3_variant *v0, const char *tile) {
   return k;
 }
 
-/* Every valid tile of v on this GPU, as tile strings (caller frees). */
-static int valid_tiles(const m3_variant *v0, char (**out)[256]) {
-  m3_variant v = *v0, *tiles;
-  int n;
-  m3_err e;
-  snprintf(v.arch, sizeof v.arch, "%s", g_rt.dev.arch);
-  ck_assert_msg(m3_render_tiles(g_rt.jit.lua, &v, &tiles, &n, &e) == M3_OK, "%s", e.msg);
-  *out = malloc(sizeof **out * (size_t)(n ? n : 1));
-  int m = 0;
-  for (int i = 0; i < n; i++) {
-    if (m3_render_valid(g_rt.jit.lua, &tiles[i], NULL, 0, &e) != M3_OK) continue;
-    m3_variant_print_tile(&tiles[i], (*out)[m++], 256);
-  }
-  free(tiles);
-  return m;
-}
-
 /* Keep the tiles for which keep(tile) holds, in order; returns how many. */
 static int select_tiles(char (*tiles)[256], int n, int (*keep)(const char *)) {
   int m = 0;
@@ -235,13 +218,13 @@ START_TEST(rmsnorm_every_tile) {
   m3_err e;
   ck_assert_int_eq(m3_rmsnorm_key(add, add, 6144, &v, &e), M3_OK);
   char (*tiles)[256];
-  int n = valid_tiles(&v, &tiles);
+  int n = gpu_valid_tiles(&v, &tiles);
   ck_assert_int_gt(n, 1);
   for (int i = 0; i < n; i++) run_norm(add, add, 19, 6144, NULL, NULL, tiles[i], 1.0);
   /* odd row length: the scalar path */
   ck_assert_int_eq(m3_rmsnorm_key(add, 0, 1001, &v, &e), M3_OK);
   free(tiles);
-  n = valid_tiles(&v, &tiles);
+  n = gpu_valid_tiles(&v, &tiles);
   for (int i = 0; i < n; i++) run_norm(add, 0, 7, 1001, NULL, NULL, tiles[i], 1.0);
   free(tiles);
 }
@@ -312,7 +295,7 @@ START_TEST(embed_every_tile) {
   m3_err e;
   ck_assert_int_eq(m3_embed_key(6144, &v, &e), M3_OK);
   char (*tiles)[256];
-  int n = valid_tiles(&v, &tiles);
+  int n = gpu_valid_tiles(&v, &tiles);
   ck_assert_int_gt(n, 1);
   for (int i = 0; i < n; i++) run_embed(6144, 300, 19, 1, tiles[i]);
   free(tiles);
@@ -458,7 +441,7 @@ START_TEST(route_every_tile) {
   m3_err e;
   ck_assert_int_eq(m3_route_key(&a, stages[_i], &v, &e), M3_OK);
   char (*tiles)[256];
-  int n = valid_tiles(&v, &tiles);
+  int n = gpu_valid_tiles(&v, &tiles);
   ck_assert_int_gt(n, 1);
   for (int i = 0; i < n; i++) run_route(&a, lg, bias, stages[_i], tiles[i], NULL, NULL);
   free(tiles);
@@ -523,7 +506,7 @@ START_TEST(group_every_tile) {
   m3_err e;
   ck_assert_int_eq(m3_moe_group_key(4, 128, &v, &e), M3_OK);
   char (*tiles)[256];
-  int n = valid_tiles(&v, &tiles);
+  int n = gpu_valid_tiles(&v, &tiles);
   ck_assert_int_gt(n, 1);
   for (int i = 0; i < n; i++) run_group(N, 4, 128, ids, tiles[i], -1);
   free(tiles);
@@ -627,7 +610,7 @@ START_TEST(swiglu_every_tile) {
   m3_err e;
   ck_assert_int_eq(m3_swiglu_key(3072, 1.702f, 7.0f, 1.0f, &v, &e), M3_OK);
   char (*tiles)[256];
-  int n = valid_tiles(&v, &tiles);
+  int n = gpu_valid_tiles(&v, &tiles);
   ck_assert_int_gt(n, 1);
   for (int i = 0; i < n; i++) swiglu_vs_ref(19, 3072, tiles[i]);
   free(tiles);
@@ -688,7 +671,7 @@ START_TEST(combine_every_tile) {
   m3_err e;
   ck_assert_int_eq(m3_combine_key(6144, 4, 1, 1, &v, &e), M3_OK);
   char (*tiles)[256];
-  int n = valid_tiles(&v, &tiles);
+  int n = gpu_valid_tiles(&v, &tiles);
   ck_assert_int_gt(n, 1);
   for (int i = 0; i < n; i++) run_combine(19, 6144, 4, 1, 1, tiles[i]);
   free(tiles);
@@ -751,7 +734,7 @@ START_TEST(mxfp8_dequant_every_tile) {
   m3_err e;
   ck_assert_int_eq(m3_dequant_key(3072, &v, &e), M3_OK);
   char (*tiles)[256];
-  int n = valid_tiles(&v, &tiles);
+  int n = gpu_valid_tiles(&v, &tiles);
   ck_assert_int_gt(n, 1);
   for (int i = 0; i < n; i++) run_dequant(19, 3072, tiles[i]);
   free(tiles);
@@ -892,7 +875,7 @@ START_TEST(gemv_every_tile) {
   m3_err e;
   ck_assert_int_eq(m3_gemv_key(&a, 4, &v, &e), M3_OK);
   char (*tiles)[256];
-  int n = valid_tiles(&v, &tiles);
+  int n = gpu_valid_tiles(&v, &tiles);
   ck_assert_int_gt(n, 1);
   /* gemv_ring_real_cols runs tpc 2 and 3 */
   n = select_tiles(tiles, n, tpc_0_1_or_8);
@@ -986,7 +969,7 @@ START_TEST(gemv_moe_every_tile) {
   m3_err e;
   ck_assert_int_eq(m3_gemv_key(&a, 1, &v, &e), M3_OK);
   char (*tiles)[256];
-  int n = valid_tiles(&v, &tiles);
+  int n = gpu_valid_tiles(&v, &tiles);
   ck_assert_int_gt(n, 1);
   n = select_tiles(tiles, n, tpc_0_1_or_8);
   gpu_prewarm_tiles(&v, tiles, n);
@@ -1029,7 +1012,7 @@ START_TEST(gemv_ring_real_cols) {
   ck_assert_int_eq(m3_gemv_key(&a, 2, &v, &e), M3_OK);
   ck_assert_int_eq(m3_gemv_key(&am, 1, &vm, &e), M3_OK);
   char (*tiles)[256];
-  int n = valid_tiles(&v, &tiles);
+  int n = gpu_valid_tiles(&v, &tiles);
   n = select_tiles(tiles, n, ring_tile);
   ck_assert_int_ge(n, 3);
   gpu_prewarm_tiles(&v, tiles, n);
@@ -1396,7 +1379,7 @@ START_TEST(sample_every_tile) {
     m3_err e;
     ck_assert_int_eq(m3_sample_key(&a, &v, &e), M3_OK);
     char (*tiles)[256];
-    int n = valid_tiles(&v, &tiles);
+    int n = gpu_valid_tiles(&v, &tiles);
     ck_assert_int_gt(n, 1);
     for (int i = 0; i < n; i++) run_sample(&a, l, tiles[i], "sample tile", M3_OK);
     free(tiles);

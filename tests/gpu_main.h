@@ -100,12 +100,31 @@ static inline int gpu_test_main(const char *name, Suite *(*make)(void)) {
   return failed ? 1 : 0;
 }
 
+/* Every valid tile of v0 on this GPU, as tile strings in *out (caller
+ * frees); returns how many. */
+static inline int gpu_valid_tiles(const m3_variant *v0, char (**out)[256]) {
+  m3_variant v = *v0, *tiles;
+  int n;
+  m3_err e;
+  snprintf(v.arch, sizeof v.arch, "%s", g_rt.dev.arch);
+  ck_assert_msg(m3_render_tiles(g_rt.jit.lua, &v, &tiles, &n, &e) == M3_OK, "%s", e.msg);
+  *out = malloc(sizeof **out * (size_t)(n ? n : 1));
+  ck_assert_ptr_nonnull(*out);
+  int m = 0;
+  for (int i = 0; i < n; i++) {
+    if (m3_render_valid(g_rt.jit.lua, &tiles[i], NULL, 0, &e) != M3_OK) continue;
+    m3_variant_print_tile(&tiles[i], (*out)[m++], 256);
+  }
+  free(tiles);
+  return m;
+}
+
 /* Compile v0 at each of the n tiles into the cubin cache, in parallel
  * (m3_jit_build_many, one compiler a core), so that the launches that follow
  * find them there.  Compiled one at a time by the launches, the W8A16 GEMV's
  * few hundred tiles took over 250 s of a device call (run 20), the attention
- * tiles over 200 s (session 22).  A build that
- * fails here fails again, with its message, where the case launches it. */
+ * tiles over 200 s (run 38).  A build that fails here fails again, with its
+ * message, where the case launches it. */
 static inline void gpu_prewarm_tiles(const m3_variant *v0, char (*tiles)[256], int n) {
   m3_jit_job *jobs = calloc((size_t)(n ? n : 1), sizeof *jobs);
   ck_assert_ptr_nonnull(jobs);
