@@ -14,11 +14,13 @@ the kernel's name (every ELF section but the symbol and name tables: instruction
 parameter metadata, constants, relocations) re-keys the record: tile (and its candidates'
 and default's) completed, template_hash and code_hash of the new rendering, a note appended to
 provenance.command.  Records whose code did change are left stale: they need `m3kit tune`.
-DB is rewritten in the seed's layout (tools/seed_merge.py) through a temporary file and a rename.
+DB is rewritten as tools/tunedb_file.py writes it (the seed's layout; at a symlink's target, under the
+tuners' lock, through a temporary file and a rename).
 """
-import fcntl, itertools, json, os, re, struct, subprocess, sys, tempfile
+import itertools, os, re, struct, subprocess, sys, tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import tunedb_file
+
 SCHEME = None  # of the code hashes this m3kit computes (gen/code_hash.h), set in main()
 
 
@@ -109,9 +111,7 @@ def main():
     new, old = schemas(m3kit, env_new), schemas(m3kit, env_old)
     global SCHEME
     # the tuners' lock (cache/store.c m3_lock): no tuner merges into DB while it is rewritten
-    lock = open(db_path + '.lock', 'a')
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    d = json.load(open(db_path))
+    db_path, lock, mode, d = tunedb_file.open_locked(db_path, 'rekey.py')
     tmpdir = tempfile.TemporaryDirectory(prefix='m3rekey')
     tmp = os.path.join(tmpdir.name, 'k.cubin')
     for r in d['records']:  # the scheme of this m3kit's code hashes, from any record that renders
@@ -185,11 +185,7 @@ def main():
     print('%s: %s' % (db_path, ', '.join('%d %s' % (n, k) for k, n in counts.items())))
     if dry or not counts['rekeyed']:
         return
-    fd, t = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(db_path)), prefix='.rekey.')
-    with os.fdopen(fd, 'w') as f:
-        json.dump(d, f)
-    run([sys.executable, os.path.join(HERE, 'seed_merge.py'), t])
-    os.replace(t, db_path)
+    tunedb_file.write(db_path, mode, d)
 
 
 if __name__ == '__main__':

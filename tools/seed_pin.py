@@ -7,13 +7,14 @@ it between other kernels.  Where whole-step A/B runs (`device-run.sh ab`, one se
 the tuner's pick losing to another candidate, this sets the record of (KEY, BUCKET) to TILE, which
 must be one of its PASSED candidates: tile, tuned_us and the metric from that candidate's own
 timing (the tuner's numbers stay the tuner's), code_hash of TILE's rendering (`m3kit gen --emit`),
-and TEXT (the A/B and where its logs are) as the record's `pinned` field and appended to
-provenance.command, so that the file says why its winner is not the fastest candidate; a later
-`m3kit tune` keeps a pinned tile while it times within 3% of the tuner's own pick.  DB is rewritten in the seed's layout
-(tools/seed_merge.py) through a temporary file and a rename, under the tuners' lock."""
-import fcntl, json, os, subprocess, sys, tempfile
+and TEXT (the A/B and where its logs are) as the record's `pinned` field (provenance.command
+notes the change), so that the file says why its winner is not the fastest candidate; a later
+`m3kit tune` keeps a pinned tile while it times within 3% of the tuner's own pick.  DB is rewritten
+as tools/tunedb_file.py writes it (at a symlink's target, under the tuners' lock, through a
+temporary file and a rename)."""
+import os, subprocess, sys, tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import tunedb_file
 
 
 def main():
@@ -32,16 +33,7 @@ def main():
     if len(args) != 4 or not why:
         sys.exit(__doc__)
     db_path, key, bucket, tile = args
-    # A symlinked DB is edited (and locked, as m3kit's m3_lock does) at its target.
-    db_path = os.path.realpath(db_path)
-    try:
-        os.stat(db_path)  # before the lock file is made beside it
-        lock = open(db_path + '.lock', 'a')
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        mode = os.stat(db_path).st_mode & 0o7777
-        d = json.load(open(db_path))
-    except (OSError, ValueError) as ex:
-        sys.exit('seed_pin.py: %s: %s' % (db_path, ex))
+    db_path, lock, mode, d = tunedb_file.open_locked(db_path, 'seed_pin.py')
     recs = [r for r in d['records'] if r['key'] == key and r['bucket'] == bucket]
     if len(recs) != 1:
         sys.exit('seed_pin.py: %s: %d records of %s at %s' % (db_path, len(recs), key, bucket))
@@ -84,16 +76,9 @@ def main():
             r['pinned'] = why
     prov = r['provenance']
     prov['code_hash'] = code
-    prov['command'] = prov.get('command', '') + ' (winner pinned by tools/seed_pin.py: [%s], tuner %.2f us, over [%s], ' \
-        'tuner %.2f us: %s)' % (tile, us, old_tile, old_us, why)
-    fd, t = tempfile.mkstemp(dir=os.path.dirname(db_path), prefix='.pin.')
-    with os.fdopen(fd, 'w') as f:
-        json.dump(d, f)
-    subprocess.run([sys.executable, os.path.join(HERE, 'seed_merge.py'), t], check=True)
-    os.chmod(t, mode)  # mkstemp made it 0600
-    with open(t, 'rb') as f:
-        os.fsync(f.fileno())
-    os.replace(t, db_path)
+    prov['command'] = prov.get('command', '') + ' (winner pinned by tools/seed_pin.py: [%s], tuner %.2f us, over ' \
+        'the tuner\'s [%s], %.2f us; why: "pinned")' % (tile, us, old_tile, old_us)
+    tunedb_file.write(db_path, mode, d)
     print('%s: %s at %s -> [%s] (was [%s])' % (db_path, key, bucket, tile, old_tile))
 
 
