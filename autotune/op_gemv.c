@@ -10,6 +10,9 @@
  * the o_proj / dense MLP / shared expert inputs -> hidden rows, the MoE
  * gate|up (2 x intermediate rows) and down (hidden rows) with the shared
  * expert as the fifth pair, as the decode step launches them.
+ * The fused MoE down key (act=swiglu, combine=1: the decode step's) is timed
+ * as the step launches it: x is gate|up's output [pairs, 2 cols], and the
+ * launch also writes the combine; both y and out are verified.
  * bf16 and fp32 GEMVs (lm_head, router) are not tuned: one launch a step.
  * Inputs: x N(0,1) bf16; e4m3 weights with no NaN codes and E8M0 scales
  * 2^-9..2^-6 (random), in rotating copies; output poisoned.  Verification:
@@ -47,6 +50,11 @@ static int64_t main_use(const m3_config *c, const m3_variant *v, int *xdiv) {
 typedef struct {
   m3_rt *rt;
   int moe, xdiv, sets, nx, ny; /* x rows, y rows (MoE: pairs + shared) */
+  int fused;                   /* act=swiglu + combine=1: x is gu [nx, 2 cols]; out, cw, cnt below */
+  float alpha, limit, beta;
+  void *d_out, *d_cw;          /* [rows] bf16 combine; [PAIRS] fp32 routing weights */
+  uint32_t *d_cnt;             /* [rows / 16 + 1] tile counts */
+  m3_bf16 *oref;               /* [rows] */
   int64_t rows, cols;
   size_t wbytes, sbytes;       /* one matrix */
   int nw;                      /* matrices per set (MoE: EXPERTS + 1 shared; else 1) */
@@ -70,6 +78,8 @@ static void teardown(void *x) {
   gv_state *s = x;
   if (!s) return;
   m3_dev_free(s->d_w); m3_dev_free(s->d_s); m3_dev_free(s->d_ids); m3_dev_free(s->d_x); m3_dev_free(s->d_y);
+  m3_dev_free(s->d_out); m3_dev_free(s->d_cw); m3_dev_free(s->d_cnt);
+  free(s->oref);
   if (s->d_tab)
     for (int i = 0; i < s->sets; i++) m3_dev_free(s->d_tab[i]);
   free(s->d_tab);
@@ -98,6 +108,14 @@ static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, con
   if (s->rows < 1 || s->cols < 32 || m3_bucket_get(b, "tokens") < 1)
     return m3_errf(e, M3_KEY, "gemv tune: not a W8A16 decode GEMV key / bucket");
   const int xdiv = s->xdiv; /* gate|up reads the token, down the pairs' activations */
+  const char *act = m3_variant_axis(v, "act");
+  s->fused = act && !strcmp(act, "swiglu");
+  if (s->fused != (m3_variant_axis_int(v, "combine", 0) == 1) || (s->fused && (!s->moe || xdiv != 1)))
+    return m3_errf(e, M3_KEY, "gemv tune: the fused key is the MoE down GEMV's act=swiglu with combine=1");
+  s->alpha = (float)m3_variant_axis_int(v, "alpha_e6", 0) / 1e6f;
+  s->limit = (float)m3_variant_axis_int(v, "limit_e6", 0) / 1e6f;
+  s->beta = (float)m3_variant_axis_int(v, "beta_e6", 0) / 1e6f;
+  const int64_t xc = s->fused ? 2 * s->cols : s->cols; /* x row length: gu when fused */
   s->nx = s->moe ? (xdiv == 1 ? PAIRS + 1 : 1) : 1;
   s->ny = s->moe ? PAIRS + 1 : 1;
   s->nw = s->moe ? EXPERTS + 1 : 1;
@@ -106,27 +124,50 @@ static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, con
   s->sets = m3_tune_sets((s->wbytes + s->sbytes) * (s->moe ? PAIRS + 1 : 1));
   m3_rng r = {seed};
   uint8_t *q = malloc(s->wbytes * s->nw), *sc = malloc(s->sbytes * s->nw);
-  m3_bf16 *x = malloc(sizeof *x * (size_t)s->nx * s->cols);
+  m3_bf16 *x = malloc(sizeof *x * (size_t)s->nx * xc), *xa = malloc(sizeof *xa * (size_t)s->nx * s->cols);
   s->ref = malloc(sizeof *s->ref * (size_t)s->ny * s->rows);
+  s->oref = malloc(sizeof *s->oref * (size_t)s->rows);
+  float cw[PAIRS];
   s->d_tab = calloc((size_t)s->sets, sizeof *s->d_tab);
-  m3_status st = q && sc && x && s->ref && s->d_tab ? M3_OK : m3_errf(e, M3_NOMEM, "tune: gemv inputs");
+  m3_status st = q && sc && x && xa && s->ref && s->oref && s->d_tab ? M3_OK : m3_errf(e, M3_NOMEM, "tune: gemv inputs");
   if (!st) {
     for (int i = 0; i < s->nw; i++) fill_mxfp8(&r, q + i * s->wbytes, sc + i * s->sbytes, s->wbytes);
-    m3_fill_bf16(&r, x, (size_t)s->nx * s->cols, 1.0f);
+    m3_fill_bf16(&r, x, (size_t)s->nx * xc, s->fused ? 2.0f : 1.0f);
+    for (int i = 0; i < s->nx; i++) { /* the rows the GEMV multiplies */
+      if (s->fused)
+        m3_ref_swiglu_oai(s->cols, x + (size_t)i * xc, x + (size_t)i * xc + s->cols, s->alpha, s->limit, s->beta,
+                          xa + (size_t)i * s->cols);
+      else
+        memcpy(xa + (size_t)i * s->cols, x + (size_t)i * xc, sizeof *x * (size_t)s->cols);
+    }
+    for (int p = 0; p < PAIRS; p++) cw[p] = 2.0f * m3_rng_unif(&r);
     for (int p = 0; p < PAIRS; p++) s->ids[p] = (int32_t)((2 * p + 1) % EXPERTS);
     /* reference of set 0: pair p uses expert ids[p]; the shared expert is matrix EXPERTS */
     for (int p = 0; p < s->ny && !st; p++) {
       const int m = !s->moe ? 0 : p < PAIRS ? s->ids[p] : EXPERTS;
       const int xr = !s->moe ? 0 : xdiv == 1 ? p : 0;
-      st = m3_ref_gemm_w8a16(1, s->rows, s->cols, x + (size_t)xr * s->cols, q + (size_t)m * s->wbytes,
+      st = m3_ref_gemm_w8a16(1, s->rows, s->cols, xa + (size_t)xr * s->cols, q + (size_t)m * s->wbytes,
                              sc + (size_t)m * s->sbytes, s->ref + (size_t)p * s->rows, e);
+    }
+    for (int64_t i = 0; s->fused && i < s->rows; i++) { /* m3_ref_moe's combine, one token */
+      float acc = 0.0f;
+      for (int p = 0; p < PAIRS; p++) acc += cw[p] * m3_bf16_to_f32(s->ref[(size_t)p * s->rows + i]);
+      s->oref[i] = m3_f32_to_bf16(acc + m3_bf16_to_f32(s->ref[(size_t)PAIRS * s->rows + i]));
     }
   }
   const size_t wset = s->wbytes * s->nw, sset = s->sbytes * s->nw;
   if (!st) st = m3_tune_upload_sets((void **)&s->d_w, q, wset, s->sets, rt->stream, e);
   if (!st) st = m3_tune_upload_sets((void **)&s->d_s, sc, sset, s->sets, rt->stream, e);
-  if (!st) st = m3_dev_alloc(&s->d_x, sizeof *x * (size_t)s->nx * s->cols, e);
-  if (!st) st = m3_dev_upload(s->d_x, x, sizeof *x * (size_t)s->nx * s->cols, e);
+  if (!st) st = m3_dev_alloc(&s->d_x, sizeof *x * (size_t)s->nx * xc, e);
+  if (!st) st = m3_dev_upload(s->d_x, x, sizeof *x * (size_t)s->nx * xc, e);
+  if (!st && s->fused) {
+    const size_t nc = sizeof *s->d_cnt * (size_t)(s->rows / 16 + 1);
+    st = m3_dev_alloc(&s->d_out, sizeof(m3_bf16) * (size_t)s->rows, e);
+    if (!st) st = m3_dev_alloc(&s->d_cw, sizeof cw, e);
+    if (!st) st = m3_dev_upload(s->d_cw, cw, sizeof cw, e);
+    if (!st) st = m3_dev_alloc((void **)&s->d_cnt, nc, e);
+    if (!st) M3_CUDA(e, cudaMemset(s->d_cnt, 0, nc));
+  }
   if (!st) st = m3_dev_alloc(&s->d_y, sizeof(m3_bf16) * (size_t)s->ny * s->rows, e);
   if (!st && s->moe) {
     st = m3_dev_alloc((void **)&s->d_ids, sizeof s->ids, e);
@@ -144,12 +185,17 @@ static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, con
   free(q);
   free(sc);
   free(x);
+  free(xa);
   return st;
 }
 
 static m3_status prepare(void *x, int rep, m3_err *e) {
   gv_state *s = x;
   if (rep == 0) M3_CUDA(e, cudaMemsetAsync(s->d_y, 0xff, sizeof(m3_bf16) * (size_t)s->ny * s->rows, s->rt->stream));
+  if (rep == 0 && s->fused) { /* a candidate starts from zero counts, whatever the one before left */
+    M3_CUDA(e, cudaMemsetAsync(s->d_out, 0xff, sizeof(m3_bf16) * (size_t)s->rows, s->rt->stream));
+    M3_CUDA(e, cudaMemsetAsync(s->d_cnt, 0, sizeof *s->d_cnt * (size_t)(s->rows / 16 + 1), s->rt->stream));
+  }
   return M3_OK;
 }
 
@@ -163,10 +209,12 @@ static m3_status launch(void *x, const m3_kernel *k, int rep, m3_err *e) {
   for (int twice = 0; twice < (hook == 2 ? 2 : 1); twice++) {
     if (s->moe) {
       m3_gemv_args a = {.n = PAIRS, .rows = rows, .cols = s->cols, .wfmt = M3_GEMV_E4M3, .moe = 1, .xdiv = s->xdiv,
-                        .n_experts = EXPERTS};
+                        .n_experts = EXPERTS, .act = s->fused, .alpha = s->alpha, .limit = s->limit, .beta = s->beta,
+                        .combine = s->fused};
       const void *const *tab = (const void *const *)s->d_tab[set];
-      M3_TRY(m3_launch_gemv_moe_shared(k, &a, s->d_x, tab, tab + EXPERTS, s->d_ids, w + EXPERTS * s->wbytes,
-                                       sc + EXPERTS * s->sbytes, 1, s->d_y, s->rt->stream, e));
+      const m3_gemv_combine cb = {.w = s->d_cw, .out = s->d_out, .tile_count = s->d_cnt};
+      M3_TRY(m3_launch_gemv_moe_fused(k, &a, s->d_x, tab, tab + EXPERTS, s->d_ids, w + EXPERTS * s->wbytes,
+                                      sc + EXPERTS * s->sbytes, 1, s->d_y, s->fused ? &cb : NULL, s->rt->stream, e));
     } else {
       m3_gemv_args a = {.n = 1, .rows = rows, .cols = s->cols, .wfmt = M3_GEMV_E4M3};
       M3_TRY(m3_launch_gemv(k, &a, s->d_x, w, sc, s->d_y, s->rt->stream, e));
@@ -188,6 +236,16 @@ static m3_status verify(void *x, char *detail, size_t n, m3_err *e) {
       char cs[256];
       m3_cmp_str(&c, cs, sizeof cs);
       snprintf(detail, n, "output row %d: %s", p, cs);
+      st = M3_MISMATCH;
+    }
+  }
+  if (!st && s->fused) { /* the combine: out of the broken candidate keeps its poison in the last rows */
+    st = m3_dev_download(g, s->d_out, sizeof *g * (size_t)s->rows, e);
+    m3_cmp c = m3_cmp_bf16_rel(g, s->oref, (size_t)s->rows, 1e-2);
+    if (!st && c.bad) {
+      char cs[256];
+      m3_cmp_str(&c, cs, sizeof cs);
+      snprintf(detail, n, "combine: %s", cs);
       st = M3_MISMATCH;
     }
   }

@@ -275,7 +275,8 @@ m3_status m3_launch_moe_combine(const m3_kernel *k, int64_t n_tokens, int hidden
 
 m3_status m3_dequant_key(int64_t cols, m3_variant *v, m3_err *e) {
   char k[M3_KEY_MAX];
-  snprintf(k, sizeof k, "mxfp8(op=dequant,w=e4m3,out=bf16,cols=%" PRId64 ",nmax=1,moe=0)", cols);
+  snprintf(k, sizeof k, "mxfp8(op=dequant,w=e4m3,out=bf16,cols=%" PRId64 ",nmax=1,moe=0,act=none,alpha_e6=0,limit_e6=0,"
+           "beta_e6=0,combine=0)", cols);
   return m3_variant_parse(k, v, e);
 }
 
@@ -295,9 +296,18 @@ m3_status m3_launch_mxfp8_dequant(const m3_kernel *k, int64_t rows, int64_t cols
 static const char *wname(int wfmt) { return wfmt == M3_GEMV_E4M3 ? "e4m3" : wfmt == M3_GEMV_BF16 ? "bf16" : "f32"; }
 
 m3_status m3_gemv_key(const m3_gemv_args *a, int nmax, m3_variant *v, m3_err *e) {
+  long long al = 0, li = 0, be = 0;
+  if (a->act) {
+    M3_TRY(to_e6("alpha", a->alpha, &al, e));
+    M3_TRY(to_e6("limit", a->limit, &li, e));
+    M3_TRY(to_e6("beta", a->beta, &be, e));
+  }
   char k[M3_KEY_MAX];
-  snprintf(k, sizeof k, "mxfp8(op=gemv,w=%s,out=%s,cols=%" PRId64 ",nmax=%d,moe=%d)", wname(a->wfmt),
-           a->out_f32 ? "f32" : "bf16", a->cols, nmax, a->moe ? 1 : 0);
+  snprintf(k, sizeof k,
+           "mxfp8(op=gemv,w=%s,out=%s,cols=%" PRId64 ",nmax=%d,moe=%d,act=%s,alpha_e6=%lld,limit_e6=%lld,beta_e6=%lld,"
+           "combine=%d)",
+           wname(a->wfmt), a->out_f32 ? "f32" : "bf16", a->cols, nmax, a->moe ? 1 : 0, a->act ? "swiglu" : "none", al,
+           li, be, a->combine ? 1 : 0);
   return m3_variant_parse(k, v, e);
 }
 
@@ -328,6 +338,8 @@ static m3_status gemv_check(const m3_kernel *k, const m3_gemv_args *a, int moe, 
   M3_TRY(want_str(k, "out", a->out_f32 ? "f32" : "bf16", "gemv", e));
   M3_TRY(want_axis(k, "cols", (long)a->cols, "gemv", e));
   M3_TRY(want_axis(k, "moe", moe, "gemv", e));
+  M3_TRY(want_str(k, "act", a->act ? "swiglu" : "none", "gemv", e));
+  M3_TRY(want_axis(k, "combine", a->combine ? 1 : 0, "gemv", e));
   if (a->n < 0 || a->rows < 1 || a->rows > INT32_MAX)
     return m3_errf(e, M3_INVAL, "gemv: n %" PRId64 ", rows %" PRId64, a->n, a->rows);
   return M3_OK;
@@ -393,7 +405,19 @@ m3_status m3_launch_gemv_moe_shared(const m3_kernel *k, const m3_gemv_args *a, c
                                     const void *const *w_tab, const void *const *s_tab, const int32_t *ids,
                                     const void *sw, const void *ss, int64_t n_shared, void *y, cudaStream_t stream,
                                     m3_err *e) {
+  return m3_launch_gemv_moe_fused(k, a, x, w_tab, s_tab, ids, sw, ss, n_shared, y, NULL, stream, e);
+}
+
+m3_status m3_launch_gemv_moe_fused(const m3_kernel *k, const m3_gemv_args *a, const void *x,
+                                   const void *const *w_tab, const void *const *s_tab, const int32_t *ids,
+                                   const void *sw, const void *ss, int64_t n_shared, void *y,
+                                   const m3_gemv_combine *c, cudaStream_t stream, m3_err *e) {
   M3_TRY(gemv_check(k, a, 1, e));
+  if (!a->combine != !c) return m3_errf(e, M3_INVAL, "gemv moe: combine=%d in the arguments, %s", a->combine,
+                                        c ? "a combine target given" : "no combine target given");
+  if (c && (n_shared < 1 || a->n % n_shared || !c->w || !c->out || !c->tile_count || misaligned(c->out)))
+    return m3_errf(e, M3_INVAL, "gemv moe: the combine needs the shared expert's pairs (%" PRId64 ", dividing the %"
+                   PRId64 " routed), routing weights, a 16-byte aligned out and the tile counts", n_shared, a->n);
   if (n_shared < 0 || a->n + n_shared > 65535)
     return m3_errf(e, M3_INVAL, "gemv moe: %" PRId64 " + %" PRId64 " shared pairs > 65535 (grid.y)", a->n, n_shared);
   if (a->xdiv < 1 || a->n_experts < 1) return m3_errf(e, M3_INVAL, "gemv moe: xdiv %d, n_experts %d", a->xdiv, a->n_experts);
@@ -404,7 +428,8 @@ m3_status m3_launch_gemv_moe_shared(const m3_kernel *k, const m3_gemv_args *a, c
   if (misaligned(x)) return m3_errf(e, M3_INVAL, "gemv moe: x must be 16-byte aligned");
   if (!a->n && !n_shared) return M3_OK;
   int n_tab = a->n_experts, xdiv = a->xdiv, routed = (int)a->n, rows = (int)a->rows, pairs = (int)(a->n + n_shared);
-  void *args[] = {&x, &sw, &ss, &w_tab, &s_tab, &ids, &n_tab, &xdiv, &y, &routed, &rows, &pairs};
+  const void *cw = c ? c->w : NULL, *out = c ? c->out : NULL, *cnt = c ? c->tile_count : NULL;
+  void *args[] = {&x, &sw, &ss, &w_tab, &s_tab, &ids, &n_tab, &xdiv, &y, &routed, &rows, &pairs, &cw, &out, &cnt};
   unsigned gy;
   const uint64_t gx = gemv_grid(k, a, pairs, &gy);
   return launch(k, gx, gy, stream, args, e);
@@ -517,6 +542,7 @@ typedef struct moe_bufs {
   uint16_t *xs, *gu, *act, *y;    /* [P, H], [P, 2I], [P, I], [P, H] */
   uint16_t *sgu, *sact, *sy;      /* [T, 2Is], [T, Is], [T, H] */
   uint16_t *dq;                   /* [2 max(I, Is), H] dequantised weight (prefill) */
+  uint32_t *tiles;                /* [ceil(H / 16)] the fused down GEMV's row-tile counts (zero between launches) */
 } moe_bufs;
 
 static size_t carve(moe_bufs *b, char *base, const m3_moe_args *a, const m3_moe_weights *w, int64_t T) {
@@ -547,6 +573,7 @@ static size_t carve(moe_bufs *b, char *base, const m3_moe_args *a, const m3_moe_
   PIECE(sact, uint16_t, T * (Is ? Is : 1));
   PIECE(sy, uint16_t, T * H);
   PIECE(dq, uint16_t, w->e4m3 ? D : 1);
+  PIECE(tiles, uint32_t, (H + 15) / 16);
 #undef PIECE
   return off;
 }
@@ -649,9 +676,14 @@ m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_m
    * more pairs of the routed GEMVs and SwiGLU (below); otherwise it has a
    * SwiGLU launch of its own, n rows. */
   const int64_t ns = decode && Is && Is == I ? n : 0;
-  m3_kernel *sw, *swsh = NULL;
+  /* ... and with MXFP8 experts the down GEMV then stages SwiGLU(gu) itself
+   * and ends with the combine (templates/mxfp8.lua act, combine): 2 launches
+   * a layer fewer.  M3KIT_MOE_FUSE=0 keeps them apart (A/B in the step). */
+  const char *fe = getenv("M3KIT_MOE_FUSE");
+  const int fused = ns && w->e4m3 && !(fe && *fe == '0');
+  m3_kernel *sw = NULL, *swsh = NULL;
   M3_TRY(m3_swiglu_key(I, a->alpha, a->limit, a->beta, &v, e));
-  M3_TRY(kernel_at(rt, &v, P + ns, &sw, e));
+  if (!fused) M3_TRY(kernel_at(rt, &v, P + ns, &sw, e));
   if (Is && !ns) {
     M3_TRY(m3_swiglu_key(Is, a->alpha, a->limit, a->beta, &v, e));
     M3_TRY(kernel_at(rt, &v, n, &swsh, e));
@@ -668,11 +700,14 @@ m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_m
     M3_TRY(m3_gemv_kernel(rt, &ga, &k, e));
     M3_TRY(m3_launch_gemv_moe_shared(k, &ga, m, w->gu_tab, w->gu_scale_tab, ids, w->shared_gu, w->shared_gu_scale,
                                      ns, b.gu, s, e));
-    M3_TRY(m3_launch_swiglu(sw, P + ns, I, b.gu, b.act, s, e));
-    m3_gemv_args gd = {.n = P, .rows = H, .cols = I, .wfmt = wf, .moe = 1, .xdiv = 1, .n_experts = (int)E};
+    if (!fused) M3_TRY(m3_launch_swiglu(sw, P + ns, I, b.gu, b.act, s, e));
+    m3_gemv_args gd = {.n = P, .rows = H, .cols = I, .wfmt = wf, .moe = 1, .xdiv = 1, .n_experts = (int)E,
+                       .act = fused, .alpha = a->alpha, .limit = a->limit, .beta = a->beta, .combine = fused};
     M3_TRY(m3_gemv_kernel(rt, &gd, &k, e));
-    M3_TRY(m3_launch_gemv_moe_shared(k, &gd, b.act, w->down_tab, w->down_scale_tab, ids, w->shared_down,
-                                     w->shared_down_scale, ns, b.y, s, e));
+    const m3_gemv_combine cb = {.w = wts, .out = out, .tile_count = b.tiles};
+    M3_TRY(m3_launch_gemv_moe_fused(k, &gd, fused ? b.gu : b.act, w->down_tab, w->down_scale_tab, ids, w->shared_down,
+                                    w->shared_down_scale, ns, b.y, fused ? &cb : NULL, s, e));
+    if (fused) return M3_OK;
     if (ns) {
       shared_y = b.y + P * H;
     } else if (Is) {

@@ -150,6 +150,11 @@ typedef struct m3_gemv_args {
   int moe;            /* pair p reads the weight of expert ids[p] from a pointer table */
   int xdiv;           /* moe: pair p reads x row p / xdiv (top-k for gate|up, 1 for down) */
   int n_experts;      /* moe: entries of the pointer tables */
+  /* Fusions (W8A16 MoE down GEMV, templates/mxfp8.lua): */
+  int act;            /* 1: x is gu [pairs, 2 cols] bf16 (gate | up); the kernel stages
+                         x = bf16(SwiGLU-OAI(gate, up)) (§7.3, m3_ref_swiglu_oai bit for bit) */
+  float alpha, limit, beta; /* act: SwiGLU-OAI's constants (carried by the key in millionths) */
+  int combine;        /* 1: the launch also writes the MoE combine (§12.6): m3_launch_gemv_moe_fused */
 } m3_gemv_args;
 
 /* Key for an explicit nmax (1, 2, 4, 8).  Errors: M3_KEY. */
@@ -200,6 +205,31 @@ m3_status m3_launch_gemv_moe_shared(const m3_kernel *k, const m3_gemv_args *a, c
                                     const void *const *w_tab, const void *const *s_tab, const int32_t *ids,
                                     const void *sw, const void *ss, int64_t n_shared, void *y, cudaStream_t stream,
                                     m3_err *e);
+
+/* The combine epilogue of a MoE down GEMV (combine = 1): with the shared
+ * expert riding along as pairs a->n .. a->n + T - 1 (T tokens, K = a->n / T
+ * routed pairs each), out[t] = bf16(sum_k w[t K + k] y[t K + k] + y[a->n + t])
+ * in fp32, top-k order, one rounding: moe_combine's (m3_ref_moe) exactly, given
+ * the same y.  y is still written.  tile_count: >= ceil(rows / 16) uint32
+ * words of device memory, zero before the first launch; every launch leaves
+ * them zero (the CTA that completes a row tile re-zeroes its word), so one
+ * buffer serves every launch of a stream, never two streams at once. */
+typedef struct m3_gemv_combine {
+  const float *w;       /* [T, K] fp32 routing weights (routed_scaling applied), device */
+  void *out;            /* [T, rows] bf16, device; must not alias y */
+  uint32_t *tile_count; /* see above */
+} m3_gemv_combine;
+
+/* m3_launch_gemv_moe_shared with the key's fusions: act (x is then gu
+ * [a->n + n_shared, 2 cols], 16-byte aligned) and, when c is not NULL (the
+ * key must have combine=1, and n_shared >= 1 must divide a->n), the combine
+ * into c->out.  A pair with a bad expert id leaves its y row as it was and the
+ * combine reads it as it is.  Errors: as m3_launch_gemv_moe_shared; M3_INVAL
+ * for a combine without shared pairs or a key/c mismatch. */
+m3_status m3_launch_gemv_moe_fused(const m3_kernel *k, const m3_gemv_args *a, const void *x,
+                                   const void *const *w_tab, const void *const *s_tab, const int32_t *ids,
+                                   const void *sw, const void *ss, int64_t n_shared, void *y,
+                                   const m3_gemv_combine *c, cudaStream_t stream, m3_err *e);
 
 /* ---- Sampling; templates/sample.lua ------------------------------------ */
 
@@ -260,7 +290,10 @@ void m3_moe_ws_free(m3_moe_ws *ws);
  * (decode GEMVs for n <= 8, else prefill), 1 decode, 2 prefill.
  * Decode: router GEMV (fp32 weights), route, one MoE GEMV over all chosen
  * experts' gate|up, SwiGLU, one MoE GEMV for down, shared expert GEMVs,
- * combine in pair order.  Prefill: router GEMM (cuBLAS fp32 with m32, else
+ * combine in pair order; with MXFP8 experts and a shared expert as wide as
+ * the routed ones (M3), the down GEMV stages SwiGLU(gu) itself and ends with
+ * the combine (m3_launch_gemv_moe_fused: the same values, two launches fewer;
+ * M3KIT_MOE_FUSE=0 in the environment keeps the three launches).  Prefill: router GEMM (cuBLAS fp32 with m32, else
  * the GEMV in chunks of 8 tokens), route, stable group, gather, one cuBLAS
  * GEMM per expert on its contiguous rows (MXFP8 experts are dequantised into
  * scratch first), SwiGLU, combine through the inverse permutation; one sync

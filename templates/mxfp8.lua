@@ -38,6 +38,17 @@
 -- L2 <= 1e-2 against m3_ref_gemm_w8a16).  Preconditions: |x| < 2^100 and no
 -- e4m3 NaN codes (0x7F/0xFF) in the weight (quantisers saturate; cvt=alu reads
 -- them as +-480, cvt=hw as NaN).
+--
+-- Fusions (W8A16 MoE GEMV, the decode step's down projection): a SwiGLU launch
+-- and a combine launch cost ~1.5-3 us each in the step's chain of kernels,
+-- 57 MoE layers a token.  act=swiglu reads gate|up's output and stages
+-- bf16(SwiGLU-OAI) - the SwiGLU kernel's exact values (lib/ffn.lua's one
+-- text) - as x.  combine=1 adds moe_combine's sum: each CTA counts its
+-- finished row tiles in tile_count[tile] (after a __threadfence of its y
+-- stores); the CTA that completes a tile's count (every pair's rows written)
+-- reads the pairs' rows through L2 (ld.cg), writes out = bf16(sum_k w_k y_k +
+-- y_shared) in moe_combine's order and roundings, and zeroes the count for the
+-- next launch.  A pair skipped for a bad expert id still counts its tiles.
 local P = m3.include("lib/prelude")
 local F = m3.include("lib/ffn")
 local I = m3.include("lib/indexer")
@@ -53,6 +64,12 @@ T.axes = {
   {"cols", "int"},                  -- reduction length (in_features)
   {"nmax", {1, 2, 4, 8}},           -- most tokens per launch (accumulators are compile-time)
   {"moe", {0, 1}},                  -- per-pair expert weights through a pointer table
+  -- Fusions of the MoE decode's neighbours into its down GEMV (W8A16):
+  {"act", {"none", "swiglu"}},      -- swiglu: x is gu [pairs, 2 cols]; x = SwiGLU-OAI(gate, up) while staged (§7.3)
+  {"alpha_e6", "int"},              -- act=swiglu: its constants x 10^6 in the key (fault 22); 0 with act=none
+  {"limit_e6", "int"},
+  {"beta_e6", "int"},
+  {"combine", {0, 1}},              -- 1: the last CTA to finish a row tile sums the pairs into out (§12.6)
 }
 T.tiles = {
   {"warps", {2, 4, 8, 16}},         -- warps per CTA
@@ -98,6 +115,18 @@ end
 function T.valid(k, t, arch)
   if m3.sm(arch) < 80 then return false, "needs sm_80+" end
   if k.cols < 1 then return false, "cols must be positive" end
+  if k.act == "none" then
+    if k.alpha_e6 ~= 0 or k.limit_e6 ~= 0 or k.beta_e6 ~= 0 then
+      return false, "alpha_e6, limit_e6, beta_e6 are act=swiglu's constants: 0 with act=none"
+    end
+  elseif k.op ~= "gemv" or k.w ~= "e4m3" then
+    return false, "act=swiglu is the W8A16 GEMV's staging (op=gemv, w=e4m3)"
+  elseif k.limit_e6 < 0 then
+    return false, "the clamp limit must be >= 0"
+  end
+  if k.combine == 1 and (k.op ~= "gemv" or k.w ~= "e4m3" or k.moe ~= 1) then
+    return false, "combine=1 is the W8A16 MoE GEMV's epilogue (op=gemv, w=e4m3, moe=1)"
+  end
   if k.op == "dequant" then
     if k.w ~= "e4m3" or k.out ~= "bf16" or k.nmax ~= 1 or k.moe ~= 0 then
       return false, "dequant is e4m3 -> bf16 only: use w=e4m3, out=bf16, nmax=1, moe=0"
@@ -172,12 +201,19 @@ end
 
 function T.variants(c)
   local out, seen = {}, {}
-  local function add(op, w, o, cols, moe)
+  local function add(op, w, o, cols, moe, fused)
     if not cols or cols < 1 then return end
-    local id = table.concat({op, w, o, cols, moe}, ",")
+    local id = table.concat({op, w, o, cols, moe, fused and 1 or 0}, ",")
     if seen[id] then return end
     seen[id] = true
-    out[#out + 1] = {op = op, w = w, out = o, cols = cols, nmax = 1, moe = moe}
+    local v = {op = op, w = w, out = o, cols = cols, nmax = 1, moe = moe, act = "none", alpha_e6 = 0, limit_e6 = 0,
+               beta_e6 = 0, combine = 0}
+    if fused then
+      -- model_dims does not export the SwiGLU constants yet (as swiglu.lua): M3's
+      v.act, v.alpha_e6 = "swiglu", c.swiglu_alpha_e6 or 1702000
+      v.limit_e6, v.beta_e6, v.combine = c.swiglu_limit_e6 or 7000000, c.swiglu_beta_e6 or 1000000, 1
+    end
+    out[#out + 1] = v
   end
   local H, O = c.hidden, (c.nq or 0) * (c.hd or 0)
   -- W8A16 decode GEMVs of the MXFP8 checkpoint (batch 1; larger batches
@@ -189,6 +225,9 @@ function T.variants(c)
     add("gemv", "e4m3", "bf16", c.shared_inter, 0)          -- shared expert down
     add("gemv", "e4m3", "bf16", H, 1)                       -- routed experts gate|up
     add("gemv", "e4m3", "bf16", c.inter, 1)                 -- routed experts down
+    if c.shared_inter == c.inter then                       -- ... with SwiGLU and the combine (decode)
+      add("gemv", "e4m3", "bf16", c.inter, 1, true)
+    end
     add("gemv", "f32", "f32", H, 0)                         -- fp32 router
   end
   add("gemv", "bf16", "f32", H, 0)                          -- lm_head (bf16 in both releases) -> fp32 logits
@@ -452,7 +491,7 @@ local gemv_mma_body = [==[
 #define WSTR (UNR * 32 + 32)     /* a row's bytes in a ring stage, padded */
 #define MULTI (PIPE >= 3 && TPC != 1)   /* the ring over several tiles a CTA (TPC > 1, or 0: balanced) */
 #define NXS (MOE && PIPE >= 3 && TPC == 0 ? 2 : NMAX)   /* staged x rows (balanced MoE: a CTA spans <= 2 pairs) */
-/* Two selects, no branch: the nested float ternary compiled to a branch per
+$fused_defs/* Two selects, no branch: the nested float ternary compiled to a branch per
  * scale (two a block in the mma loop; SASS of device run 21's winners). */
 M3_DEV float e8m0_to_f32(u32 s) {
   u32 b = s << 23;
@@ -656,7 +695,7 @@ M3_DEV void load_step(wstep &st, const unsigned char *wb, const unsigned char *s
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned char *__restrict__ ws,
      const void *const *__restrict__ w_tab, const unsigned char *const *__restrict__ ws_tab,
-     const int *__restrict__ ids, int n_tab, int xdiv, void *__restrict__ y, int n, int rows, int npairs) {
+     const int *__restrict__ ids, int n_tab, int xdiv, void *__restrict__ y, int n, int rows, int npairs$params) {
   $open
   DYN_SMEM(uint4, xs4);          /* [NXS][XS4] fp16 x 2^sh, dims paired (0,2),(1,3),(4,6),(5,7) */
   __shared__ int s_emax[NXS];
@@ -709,8 +748,7 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
 #else
   const int p = MOE ? (int)blockIdx.y : 0;
   const unsigned char *wb, *sb;
-  if (!pair_weights(p, n, ids, n_tab, w_tab, ws_tab, w, ws, x, wb, sb)) return;   /* the whole CTA: y row p stays */
-  const int row0 = (int)blockIdx.x * RPW * 16;
+$badpair  const int row0 = (int)blockIdx.x * RPW * 16;
 
   /* The first weights are in flight while x is staged. */
 #if PIPE >= 3
@@ -734,10 +772,10 @@ $wait  /* Staged rows: the tokens (non-MoE), or the x rows of pairs xp0 .. xp0 +
   if (tid < NXS) s_emax[tid] = 0;
   __syncthreads();
   for (int t = 0; t < nx; t++) {
-    const bf16_t *xb = MOE ? x + (long long)xrow_of(xp0 + t, n, xdiv) * COLS : x + (long long)t * COLS;
+    const bf16_t *xb = MOE ? x + (long long)xrow_of(xp0 + t, n, xdiv) * $xstride : x + (long long)t * $xstride;
     u32 m = 0u;
     for (int i = tid; i < COLS / 8; i += WARPS * 32) {
-      const uint4 v = ld16(xb + 8 * i);
+      const uint4 v = $xload(xb + 8 * i);
       xs4[t * XS4 + i] = v;
       const u32 a[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -842,7 +880,7 @@ $wait  /* Staged rows: the tokens (non-MoE), or the x rows of pairs xp0 .. xp0 +
             }
           }
       }
-#pragma unroll
+$combine_multi#pragma unroll
       for (int r = 0; r < RPW; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.0f;
     }
     if (++sq == nst) { sq = 0; ti++; if (++clt == tpp) { clt = 0; cj++; } }
@@ -915,7 +953,7 @@ $wait  /* Staged rows: the tokens (non-MoE), or the x rows of pairs xp0 .. xp0 +
         ((bf16_t *)y)[at] = f32_to_bf16(fmul_rn(acc[r][i], s_out[t]));
       }
     }
-#endif
+$combine_tail#endif
 }
 ]==]
 
@@ -924,6 +962,78 @@ $wait  /* Staged rows: the tokens (non-MoE), or the x rows of pairs xp0 .. xp0 +
 -- previous kernel's output), so that the ring's first PIPE - 1 stages of
 -- weights (launch arguments no kernel writes: the launcher's header says so)
 -- stream while the previous kernel drains.
+-- The fusions (act, combine; file comment): text only where the key has them,
+-- so that act=none, combine=0 render the kernel as before.
+local SWIGLU8 = [==[
+/* act=swiglu: x row = SwiGLU-OAI of the gu row's gate [0, COLS) and up
+ * [COLS, 2 COLS) (the x pointer is the gu row), 8 dims from 16-byte loads. */
+M3_DEV uint4 swiglu8(const bf16_t *gate) {
+  const uint4 gv = ld16(gate), uv = ld16(gate + COLS);
+  uint4 r;
+  r.x = pack_bf16(swiglu_oai(bf16lo(gv.x), bf16lo(uv.x)), swiglu_oai(bf16hi(gv.x), bf16hi(uv.x)));
+  r.y = pack_bf16(swiglu_oai(bf16lo(gv.y), bf16lo(uv.y)), swiglu_oai(bf16hi(gv.y), bf16hi(uv.y)));
+  r.z = pack_bf16(swiglu_oai(bf16lo(gv.z), bf16lo(uv.z)), swiglu_oai(bf16hi(gv.z), bf16hi(uv.z)));
+  r.w = pack_bf16(swiglu_oai(bf16lo(gv.w), bf16lo(uv.w)), swiglu_oai(bf16hi(gv.w), bf16hi(uv.w)));
+  return r;
+}
+]==]
+local COMBINE_FN = [==[
+/* combine=1: warp 0 of a CTA has stored pair rows [r0, r0 + 16 RPW) of row
+ * tile `tile` (or skipped them: bad expert id).  Count them; the CTA whose
+ * count completes the tile (npairs) sums the pairs into out as moe_combine
+ * does - out[t] = bf16(sum_k w[t K + k] y[t K + k] + y[n + t]), fp32 in top-k
+ * order, one rounding; K = n / (npairs - n), the shared expert's pairs last -
+ * and zeroes the count for the next launch. */
+M3_DEV void combine_tile(const float *cw, bf16_t *out, unsigned *cnt, int tile, int r0, const bf16_t *y, int n,
+                         int npairs, int rows, int lane) {
+  __threadfence();   /* this warp's y stores device-wide before its count */
+  __syncwarp();
+  unsigned done = 0u;
+  if (lane == 0) done = atomicAdd(cnt + tile, 1u) + 1u;
+  done = __shfl_sync(FULL, done, 0);
+  if (done != (unsigned)npairs) return;
+  __threadfence();
+  const int ntok = npairs - n, K = n / ntok;
+  for (int t = 0; t < ntok; t++)
+    for (int r = lane; r < 16 * RPW; r += 32) {
+      const int row = r0 + r;
+      if (row >= rows) break;
+      float acc = 0.0f;
+      for (int k = 0; k < K; k++)   /* L2 reads (ld.cg): other CTAs' rows of this launch */
+        acc = fadd_rn(acc, fmul_rn(cw[t * K + k], bf16_to_f32(__ldcg(y + (long long)(t * K + k) * rows + row))));
+      acc = fadd_rn(acc, bf16_to_f32(__ldcg(y + (long long)(n + t) * rows + row)));
+      out[(long long)t * rows + row] = f32_to_bf16(acc);
+    }
+  if (lane == 0) cnt[tile] = 0u;
+}
+]==]
+local function fused_defs(k)
+  local s = ""
+  if k.act == "swiglu" then
+    s = s .. string.format("#define ALPHA (%s)\n#define LIMIT (%s)\n#define BETA (%s)\n", F.e6_literal(k.alpha_e6),
+                           F.e6_literal(k.limit_e6), F.e6_literal(k.beta_e6)) .. F.swiglu_oai .. SWIGLU8
+  end
+  if k.combine == 1 then s = s .. COMBINE_FN end
+  return s
+end
+local COMBINE_PARAMS = ",\n     const float *__restrict__ cw, bf16_t *__restrict__ out, unsigned *__restrict__ cnt"
+local BADPAIR = [==[
+  if (!pair_weights(p, n, ids, n_tab, w_tab, ws_tab, w, ws, x, wb, sb)) return;   /* the whole CTA: y row p stays */
+]==]
+local COMBINE_BADPAIR = [==[
+  if (!pair_weights(p, n, ids, n_tab, w_tab, ws_tab, w, ws, x, wb, sb)) {   /* the whole CTA: y row p stays */
+    if (warp == 0) combine_tile(cw, out, cnt, (int)blockIdx.x, (int)blockIdx.x * RPW * 16, (const bf16_t *)y, n, npairs,
+                                rows, lane);   /* its tile still counts */
+    return;
+  }
+]==]
+local COMBINE_MULTI = [==[
+      if (warp == 0) combine_tile(cw, out, cnt, clt, tr0, (const bf16_t *)y, n, npairs, rows, lane);
+]==]
+local COMBINE_TAIL = [==[
+  combine_tile(cw, out, cnt, (int)blockIdx.x, row0, (const bf16_t *)y, n, npairs, rows, lane);
+]==]
+
 local WAIT_OPEN = "M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */"
 local LEAD_OPEN = "M3_LEAD_IN; /* the weights only until the wait (lib/lead.lua) */"
 local LEAD_WAIT = "  M3_GRID_WAIT(); /* x is the previous kernel's output */\n"
@@ -940,6 +1050,10 @@ function T.render(k, t, arch, sym)
       cols = k.cols, nmax = k.nmax, moe = k.moe, warps = t.warps, rpw = t.rpw, unroll = t.unroll, pipe = t.pipe,
       wlog2 = t.cvt == "hw" and 0 or 8, stage = ring_stage(t), tpc = t.tpc, sym = sym,
       open = t.lead == 1 and LEAD_OPEN or WAIT_OPEN, wait = t.lead == 1 and LEAD_WAIT or "",
+      fused_defs = fused_defs(k), params = k.combine == 1 and COMBINE_PARAMS or "",
+      xstride = k.act == "swiglu" and "(2 * COLS)" or "COLS", xload = k.act == "swiglu" and "swiglu8" or "ld16",
+      badpair = k.combine == 1 and COMBINE_BADPAIR or BADPAIR,
+      combine_multi = k.combine == 1 and COMBINE_MULTI or "", combine_tail = k.combine == 1 and COMBINE_TAIL or "",
     })
     smem = gemv_smem(k, t)
   else

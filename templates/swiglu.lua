@@ -61,12 +61,7 @@ local body = [==[
 #define LIMIT $limit
 #define BETA $beta
 
-M3_DEV float swiglu_oai(float g, float u) {
-  g = g > LIMIT ? LIMIT : g;                           /* upper clamp only */
-  u = u > LIMIT ? LIMIT : (u < -LIMIT ? -LIMIT : u);   /* both sides */
-  return fmul_rn(fmul_rn(g, sigmoid_ref(fmul_rn(ALPHA, g))), fadd_rn(u, BETA));
-}
-
+$swiglu_fn
 /* gu [n_rows, 2I] bf16 (gate | up); out [n_rows, I] bf16 (must not alias gu). */
 extern "C" __global__ void __launch_bounds__(THREADS)
 $sym(const bf16_t *__restrict__ gu, bf16_t *__restrict__ out, long long n_rows) {
@@ -93,7 +88,7 @@ $sym(const bf16_t *__restrict__ gu, bf16_t *__restrict__ out, long long n_rows) 
 
 function T.render(k, t, arch, sym)
   local src = F.subst("swiglu", body, {
-    inter = k.inter, vec = vec(k), threads = t.threads, sym = sym,
+    inter = k.inter, vec = vec(k), threads = t.threads, sym = sym, swiglu_fn = F.swiglu_oai,
     alpha = "(" .. F.e6_literal(k.alpha_e6) .. ")", limit = "(" .. F.e6_literal(k.limit_e6) .. ")",
     beta = "(" .. F.e6_literal(k.beta_e6) .. ")",
   })

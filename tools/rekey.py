@@ -32,18 +32,32 @@ def run(cmd, env=None):
 
 
 def schemas(m3kit, env):
-    """{template: (template hash, [(tile axis, [values])])} from `m3kit gen --templates`."""
+    """{template: (template hash, [(tile axis, [values])], [(key axis, [values] or ['<int>'])])} from
+    `m3kit gen --templates`."""
     out, cur = {}, None
     for line in run([m3kit, 'gen', '--templates'], env).splitlines():
         m = re.match(r'(\w+)\s+\(template hash ([0-9a-f]+)\)', line)
         if m:
             cur = m.group(1)
-            out[cur] = (m.group(2), [])
-        elif cur and line.strip().startswith('tiles:'):
+            out[cur] = (m.group(2), [], [])
+        elif cur and line.strip().split(':')[0] in ('tiles', 'axes'):
             for f in line.split()[1:]:
                 name, vals = f.split('=', 1)
-                out[cur][1].append((name, vals.split('|')))
+                out[cur][1 if line.strip().startswith('tiles:') else 2].append((name, vals.split('|')))
     return out
+
+
+def completed_key(key, key_axes):
+    """key with the key axes an edit added, each at its first value (an int axis at 0): the values
+    that must emit the old code (docs/tuning-db.md, "Stale records"); key itself when none is missing."""
+    name, body = key.split('(', 1)
+    have = dict(f.split('=', 1) for f in body.rstrip(')').split(',') if f)
+    if all(a in have for a, _ in key_axes) and len(have) == len(key_axes):
+        return key
+    if any(a not in dict(key_axes) for a in have):
+        return None  # an axis was removed
+    return '%s(%s)' % (name, ','.join('%s=%s' % (a, have.get(a, '0' if v == ['<int>'] else v[0]))
+                                      for a, v in key_axes))
 
 
 def tile_dict(tile):
@@ -124,6 +138,7 @@ def main():
         name = r['key'].split('(', 1)[0]
         full = '%s[%s]@%s' % (r['key'], r['tile'], r['arch'])
         prov = r['provenance']
+        key_new = completed_key(r['key'], new[name][2]) if name in new else None
 
         def current(env, schema):  # the runtime's rule (docs/tuning-db.md, cache/tunedb.c is_stale)
             if name not in schema:
@@ -132,11 +147,15 @@ def main():
                 return True  # the same template text renders the same code
             have_code = prov.get('code_hash')
             return bool(have_code) and have_code.split(':')[0] == SCHEME and code_hash(m3kit, env, full) == have_code
-        if current(env_new, new):
+        if key_new == r['key'] and current(env_new, new):
             counts['current'] += 1
             continue
         if name not in new or not current(env_old, old):
             counts['was stale'] += 1
+            continue
+        if key_new is None:
+            counts['changed'] += 1
+            print('changed: %s (a key axis is gone)' % r['key'])
             continue
         have = tile_dict(r['tile'])
         axes = new[name][1]
@@ -151,7 +170,7 @@ def main():
         for combo in itertools.product(*[v for _, v in missing]):
             add = dict(zip([a for a, _ in missing], combo))
             tile = tile_text(dict(have, **add), axes)
-            full_new = '%s[%s]@%s' % (r['key'], tile, r['arch'])
+            full_new = '%s[%s]@%s' % (key_new, tile, r['arch'])
             new_code = code_hash(m3kit, env_new, full_new)
             if new_code is None:
                 continue
@@ -165,6 +184,7 @@ def main():
             def complete(t):
                 return tile_text(dict(tile_dict(t), **{a: v for a, v in add.items() if a not in tile_dict(t)}), axes)
             old_tile, r['tile'] = r['tile'], tile
+            old_key, r['key'] = r['key'], key_new
             if r.get('default_tile'):
                 r['default_tile'] = complete(r['default_tile'])
             for c in r.get('candidates', []):
@@ -176,7 +196,7 @@ def main():
             if note not in prov.get('command', ''):
                 prov['command'] = prov.get('command', '') + note
             counts['rekeyed'] += 1
-            print('re-keyed (%s): %s [%s] -> [%s]' % (how, r['key'], old_tile, tile))
+            print('re-keyed (%s): %s [%s] -> %s[%s]' % (how, old_key, old_tile, '' if key_new == old_key else key_new, tile))
             done = True
             break
         if not done:

@@ -155,4 +155,16 @@ M3_DEV float expf_ref(float x) {
 M3_DEV float sigmoid_ref(float x) { return fdiv_rn(1.0f, fadd_rn(1.0f, expf_ref(-x))); }
 ]==]
 
+-- SwiGLU-OAI of one (gate, up) pair (spec §7.3) on the key's constants,
+-- defined by the includer as ALPHA, LIMIT, BETA: swiglu.lua's kernel and the
+-- W8A16 GEMV's act=swiglu staging (mxfp8.lua) paste this one text, so both
+-- are m3_ref_swiglu_oai bit for bit.
+F.swiglu_oai = [==[
+M3_DEV float swiglu_oai(float g, float u) {
+  g = g > LIMIT ? LIMIT : g;                           /* upper clamp only */
+  u = u > LIMIT ? LIMIT : (u < -LIMIT ? -LIMIT : u);   /* both sides */
+  return fmul_rn(fmul_rn(g, sigmoid_ref(fmul_rn(ALPHA, g))), fadd_rn(u, BETA));
+}
+]==]
+
 return F
