@@ -80,8 +80,8 @@ typedef struct moe_case {
   m3_gemv_args a;
   const void *x;
   void *y;
-  int down;                  /* 0 gate|up, 1 down, 2 down with SwiGLU and the combine (x = gu) */
-  const m3_gemv_combine *cb; /* down = 2 */
+  int down;                  /* 0 gate|up, 1 down (2: gate|up + SwiGLU, 3: down + combine) */
+  const m3_gemv_epilogue *ep; /* 2, 3 */
   cudaStream_t s;
 } moe_case;
 
@@ -92,10 +92,10 @@ static m3_status moe_rep(void *arg, int rep, m3_err *e) {
   moe_case *c = arg;
   const int reps = c->p->n / 4, r = rep % reps, sh = (r * 4 + c->p->n / 2) % c->p->n;
   const int32_t *ids = c->p->ids + (size_t)r * 4;
-  return m3_launch_gemv_moe_fused(c->k, &c->a, c->x, (const void *const *)c->p->tab[c->down ? 2 : 0],
-                                  (const void *const *)c->p->tab[c->down ? 3 : 1], ids,
-                                  c->down ? c->p->dn[sh] : c->p->gu[sh], c->down ? c->p->dns[sh] : c->p->gus[sh], 1,
-                                  c->y, c->cb, c->s, e);
+  const int dn = c->down & 1;
+  return m3_launch_gemv_moe_fused(c->k, &c->a, c->x, (const void *const *)c->p->tab[dn ? 2 : 0],
+                                  (const void *const *)c->p->tab[dn ? 3 : 1], ids, dn ? c->p->dn[sh] : c->p->gu[sh],
+                                  dn ? c->p->dns[sh] : c->p->gus[sh], 1, c->y, c->ep, c->s, e);
 }
 
 static void report(FILE *out, const char *what, const m3_timing *t, double bytes) {
@@ -107,13 +107,16 @@ static void report(FILE *out, const char *what, const m3_timing *t, double bytes
 static m3_status bench_moe(m3_rt *rt, FILE *out, int e4m3, m3_err *e) {
   const int64_t H = 6144, I = 3072;
   const char *fmt = e4m3 ? "W8A16" : "W16A16";
-  char nm[3][64];
-  /* the third: the decode step's fused launch (MXFP8 only): SwiGLU staged from gu, the combine at the end */
-  const int nd = e4m3 ? 3 : 2;
-  for (int d = 0; d < nd; d++)
-    snprintf(nm[d], sizeof nm[d], "%s moe %s", fmt, d == 2 ? "down+swiglu+combine" : d ? "down" : "gate|up");
-  if (!m3_bench_case_wanted(nm[0]) && !m3_bench_case_wanted(nm[1]) && (nd < 3 || !m3_bench_case_wanted(nm[2])))
-    return M3_OK;
+  char nm[4][64];
+  /* 2, 3: the decode step's launches with their epilogues (MXFP8 only) */
+  static const char *const what[4] = {"gate|up", "down", "gate|up+swiglu", "down+combine"};
+  const int nd = e4m3 ? 4 : 2;
+  int any = 0;
+  for (int d = 0; d < nd; d++) {
+    snprintf(nm[d], sizeof nm[d], "%s moe %s", fmt, what[d]);
+    any |= m3_bench_case_wanted(nm[d]);
+  }
+  if (!any) return M3_OK;
   const size_t es = e4m3 ? 1 : 2;
   const double per_expert = (double)(3 * I * H) * es * (e4m3 ? 33.0 / 32.0 : 1.0);
   size_t free_b = 0, total_b = 0;
@@ -126,30 +129,32 @@ static m3_status bench_moe(m3_rt *rt, FILE *out, int e4m3, m3_err *e) {
   m3_status st = pool_make(&p, n, e4m3, H, I, n / 4, e);
   void *x = NULL, *gu = NULL, *act = NULL, *y = NULL, *cw = NULL, *out1 = NULL, *cnt = NULL;
   const float w4[4] = {0.5f, 0.5f, 0.5f, 0.5f};
+  const size_t ncnt = (size_t)5 * I / 16 + H / 16 + 1; /* the larger of the two epilogues' */
   if (st == M3_OK && (cudaMalloc(&cw, sizeof w4) != cudaSuccess || cudaMalloc(&out1, sizeof(uint16_t) * H) != cudaSuccess ||
-                      cudaMalloc(&cnt, sizeof(uint32_t) * (H / 16 + 1)) != cudaSuccess))
-    st = m3_errf(e, M3_CUDA, "bench combine buffers");
+                      cudaMalloc(&cnt, sizeof(uint32_t) * ncnt) != cudaSuccess))
+    st = m3_errf(e, M3_CUDA, "bench epilogue buffers");
   if (st == M3_OK && (cudaMemcpy(cw, w4, sizeof w4, cudaMemcpyHostToDevice) != cudaSuccess ||
-                      cudaMemset(cnt, 0, sizeof(uint32_t) * (H / 16 + 1)) != cudaSuccess))
-    st = m3_errf(e, M3_CUDA, "bench combine setup");
-  const m3_gemv_combine cb = {.w = cw, .out = out1, .tile_count = cnt};
+                      cudaMemset(cnt, 0, sizeof(uint32_t) * ncnt) != cudaSuccess))
+    st = m3_errf(e, M3_CUDA, "bench epilogue setup");
+
   if (st == M3_OK && cudaMalloc(&x, sizeof(uint16_t) * H) != cudaSuccess) st = m3_errf(e, M3_CUDA, "bench x");
   if (st == M3_OK && cudaMalloc(&gu, sizeof(uint16_t) * 5 * 2 * I) != cudaSuccess) st = m3_errf(e, M3_CUDA, "bench gu");
   if (st == M3_OK && cudaMalloc(&act, sizeof(uint16_t) * 5 * I) != cudaSuccess) st = m3_errf(e, M3_CUDA, "bench act");
   if (st == M3_OK && cudaMalloc(&y, sizeof(uint16_t) * 5 * H) != cudaSuccess) st = m3_errf(e, M3_CUDA, "bench y");
   if (st == M3_OK) st = cudaMemset(x, 0x3c, sizeof(uint16_t) * H) == cudaSuccess ? M3_OK : m3_errf(e, M3_CUDA, "memset");
   if (st == M3_OK) st = cudaMemset(act, 0x3c, sizeof(uint16_t) * 5 * I) == cudaSuccess ? M3_OK : m3_errf(e, M3_CUDA, "memset");
-  if (st == M3_OK) st = cudaMemset(gu, 0x3c, sizeof(uint16_t) * 5 * 2 * I) == cudaSuccess ? M3_OK : m3_errf(e, M3_CUDA, "memset");
   /* memsets run on the legacy stream; the timed kernels on rt->stream */
   if (st == M3_OK && cudaDeviceSynchronize() != cudaSuccess) st = m3_errf(e, M3_CUDA, "bench moe setup");
+  const m3_gemv_epilogue ep_act = {.act = act, .tile_count = cnt}, ep_comb = {.w = cw, .out = out1, .tile_count = cnt};
   for (int d = 0; d < nd && st == M3_OK; d++) {
     if (!m3_bench_case_wanted(nm[d])) continue;
-    moe_case c = {.p = &p, .down = d, .s = rt->stream, .cb = d == 2 ? &cb : NULL};
-    c.a = (m3_gemv_args){.n = 4, .rows = d ? H : 2 * I, .cols = d ? I : H,
-                         .wfmt = e4m3 ? M3_GEMV_E4M3 : M3_GEMV_BF16, .moe = 1, .xdiv = d ? 1 : 4, .n_experts = n,
-                         .act = d == 2, .alpha = 1.702f, .limit = 7.0f, .beta = 1.0f, .combine = d == 2};
-    c.x = d == 2 ? gu : d ? act : x;
-    c.y = d ? y : gu;
+    const int dn = d & 1;
+    moe_case c = {.p = &p, .down = d, .s = rt->stream, .ep = d == 2 ? &ep_act : d == 3 ? &ep_comb : NULL};
+    c.a = (m3_gemv_args){.n = 4, .rows = dn ? H : 2 * I, .cols = dn ? I : H,
+                         .wfmt = e4m3 ? M3_GEMV_E4M3 : M3_GEMV_BF16, .moe = 1, .xdiv = dn ? 1 : 4, .n_experts = n,
+                         .act = d == 2, .alpha = 1.702f, .limit = 7.0f, .beta = 1.0f, .combine = d == 3};
+    c.x = dn ? act : x;
+    c.y = dn ? y : gu;
     st = m3_gemv_kernel(rt, &c.a, &c.k, e);
     m3_timing t;
     if (st == M3_OK) st = m3_time_events(moe_rep, &c, rt->stream, 3, n / 4, &t, e);

@@ -411,13 +411,18 @@ m3_status m3_launch_gemv_moe_shared(const m3_kernel *k, const m3_gemv_args *a, c
 m3_status m3_launch_gemv_moe_fused(const m3_kernel *k, const m3_gemv_args *a, const void *x,
                                    const void *const *w_tab, const void *const *s_tab, const int32_t *ids,
                                    const void *sw, const void *ss, int64_t n_shared, void *y,
-                                   const m3_gemv_combine *c, cudaStream_t stream, m3_err *e) {
+                                   const m3_gemv_epilogue *ep, cudaStream_t stream, m3_err *e) {
   M3_TRY(gemv_check(k, a, 1, e));
-  if (!a->combine != !c) return m3_errf(e, M3_INVAL, "gemv moe: combine=%d in the arguments, %s", a->combine,
-                                        c ? "a combine target given" : "no combine target given");
-  if (c && (n_shared < 1 || a->n % n_shared || !c->w || !c->out || !c->tile_count || misaligned(c->out)))
+  if (a->act && a->combine) return m3_errf(e, M3_INVAL, "gemv moe: act and combine are two launches' epilogues");
+  if (!(a->act || a->combine) != !ep)
+    return m3_errf(e, M3_INVAL, "gemv moe: %s epilogue in the arguments, %s", a->act ? "an act" : a->combine ?
+                   "a combine" : "no", ep ? "epilogue buffers given" : "no epilogue buffers given");
+  if (a->combine && (n_shared < 1 || a->n % n_shared || !ep->w || !ep->out || !ep->tile_count))
     return m3_errf(e, M3_INVAL, "gemv moe: the combine needs the shared expert's pairs (%" PRId64 ", dividing the %"
-                   PRId64 " routed), routing weights, a 16-byte aligned out and the tile counts", n_shared, a->n);
+                   PRId64 " routed), routing weights, out and the tile counts", n_shared, a->n);
+  if (a->act && (a->rows % 128 || !ep->act || !ep->tile_count))
+    return m3_errf(e, M3_INVAL, "gemv moe: the SwiGLU epilogue needs rows = 2I with I a multiple of 64 (rows %" PRId64
+                   "), act and the tile counts", a->rows);
   if (n_shared < 0 || a->n + n_shared > 65535)
     return m3_errf(e, M3_INVAL, "gemv moe: %" PRId64 " + %" PRId64 " shared pairs > 65535 (grid.y)", a->n, n_shared);
   if (a->xdiv < 1 || a->n_experts < 1) return m3_errf(e, M3_INVAL, "gemv moe: xdiv %d, n_experts %d", a->xdiv, a->n_experts);
@@ -428,8 +433,10 @@ m3_status m3_launch_gemv_moe_fused(const m3_kernel *k, const m3_gemv_args *a, co
   if (misaligned(x)) return m3_errf(e, M3_INVAL, "gemv moe: x must be 16-byte aligned");
   if (!a->n && !n_shared) return M3_OK;
   int n_tab = a->n_experts, xdiv = a->xdiv, routed = (int)a->n, rows = (int)a->rows, pairs = (int)(a->n + n_shared);
-  const void *cw = c ? c->w : NULL, *out = c ? c->out : NULL, *cnt = c ? c->tile_count : NULL;
-  void *args[] = {&x, &sw, &ss, &w_tab, &s_tab, &ids, &n_tab, &xdiv, &y, &routed, &rows, &pairs, &cw, &out, &cnt};
+  /* the epilogue's parameters follow npairs: (act, cnt) or (w, out, cnt) */
+  const void *e0 = !ep ? NULL : a->act ? ep->act : (const void *)ep->w, *e1 = !ep ? NULL : a->act ? (void *)ep->tile_count : ep->out;
+  const void *e2 = ep ? ep->tile_count : NULL;
+  void *args[] = {&x, &sw, &ss, &w_tab, &s_tab, &ids, &n_tab, &xdiv, &y, &routed, &rows, &pairs, &e0, &e1, &e2};
   unsigned gy;
   const uint64_t gx = gemv_grid(k, a, pairs, &gy);
   return launch(k, gx, gy, stream, args, e);
@@ -542,7 +549,7 @@ typedef struct moe_bufs {
   uint16_t *xs, *gu, *act, *y;    /* [P, H], [P, 2I], [P, I], [P, H] */
   uint16_t *sgu, *sact, *sy;      /* [T, 2Is], [T, Is], [T, H] */
   uint16_t *dq;                   /* [2 max(I, Is), H] dequantised weight (prefill) */
-  uint32_t *tiles;                /* [ceil(H / 16)] the fused down GEMV's row-tile counts (zero between launches) */
+  uint32_t *tiles, *act_tiles;    /* [ceil(H / 16)], [(P + T) I / 16]: the epilogues' tile counts (zero between launches) */
 } moe_bufs;
 
 static size_t carve(moe_bufs *b, char *base, const m3_moe_args *a, const m3_moe_weights *w, int64_t T) {
@@ -574,6 +581,7 @@ static size_t carve(moe_bufs *b, char *base, const m3_moe_args *a, const m3_moe_
   PIECE(sy, uint16_t, T * H);
   PIECE(dq, uint16_t, w->e4m3 ? D : 1);
   PIECE(tiles, uint32_t, (H + 15) / 16);
+  PIECE(act_tiles, uint32_t, (P + T) * ((I + 15) / 16));
 #undef PIECE
   return off;
 }
@@ -676,14 +684,16 @@ m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_m
    * more pairs of the routed GEMVs and SwiGLU (below); otherwise it has a
    * SwiGLU launch of its own, n rows. */
   const int64_t ns = decode && Is && Is == I ? n : 0;
-  /* ... and with MXFP8 experts the down GEMV then stages SwiGLU(gu) itself
-   * and ends with the combine (templates/mxfp8.lua act, combine): 2 launches
-   * a layer fewer.  M3KIT_MOE_FUSE=0 keeps them apart (A/B in the step). */
+  /* ... and with MXFP8 experts the down GEMV then ends with the combine
+   * (templates/mxfp8.lua combine=1): one launch a layer fewer, TPOT at 8K
+   * 12.63 against 12.75 ms (device run 45, H100).  The gate|up GEMV's SwiGLU
+   * epilogue (act=swiglu) lost 0.16 ms a step in the same run: only with
+   * M3KIT_MOE_FUSE=all.  M3KIT_MOE_FUSE=0 fuses nothing (A/B in the step). */
   const char *fe = getenv("M3KIT_MOE_FUSE");
-  const int fused = ns && w->e4m3 && !(fe && *fe == '0');
+  const int fused = ns && w->e4m3 && !(fe && *fe == '0'), fuse_act = fused && I % 64 == 0 && fe && !strcmp(fe, "all");
   m3_kernel *sw = NULL, *swsh = NULL;
   M3_TRY(m3_swiglu_key(I, a->alpha, a->limit, a->beta, &v, e));
-  if (!fused) M3_TRY(kernel_at(rt, &v, P + ns, &sw, e));
+  if (!fuse_act) M3_TRY(kernel_at(rt, &v, P + ns, &sw, e));
   if (Is && !ns) {
     M3_TRY(m3_swiglu_key(Is, a->alpha, a->limit, a->beta, &v, e));
     M3_TRY(kernel_at(rt, &v, n, &swsh, e));
@@ -696,17 +706,19 @@ m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_m
      * A shared expert as wide as the routed ones rides along as n more pairs
      * (its weights stream in the same grid: one launch each instead of two
      * GEMVs and a SwiGLU of their own); outputs land in rows P .. P + n - 1. */
-    m3_gemv_args ga = {.n = P, .rows = 2 * I, .cols = H, .wfmt = wf, .moe = 1, .xdiv = (int)K, .n_experts = (int)E};
+    m3_gemv_args ga = {.n = P, .rows = 2 * I, .cols = H, .wfmt = wf, .moe = 1, .xdiv = (int)K, .n_experts = (int)E,
+                       .act = fuse_act, .alpha = a->alpha, .limit = a->limit, .beta = a->beta};
     M3_TRY(m3_gemv_kernel(rt, &ga, &k, e));
-    M3_TRY(m3_launch_gemv_moe_shared(k, &ga, m, w->gu_tab, w->gu_scale_tab, ids, w->shared_gu, w->shared_gu_scale,
-                                     ns, b.gu, s, e));
-    if (!fused) M3_TRY(m3_launch_swiglu(sw, P + ns, I, b.gu, b.act, s, e));
+    const m3_gemv_epilogue ea = {.act = b.act, .tile_count = b.act_tiles};
+    M3_TRY(m3_launch_gemv_moe_fused(k, &ga, m, w->gu_tab, w->gu_scale_tab, ids, w->shared_gu, w->shared_gu_scale, ns,
+                                    b.gu, fuse_act ? &ea : NULL, s, e));
+    if (!fuse_act) M3_TRY(m3_launch_swiglu(sw, P + ns, I, b.gu, b.act, s, e));
     m3_gemv_args gd = {.n = P, .rows = H, .cols = I, .wfmt = wf, .moe = 1, .xdiv = 1, .n_experts = (int)E,
-                       .act = fused, .alpha = a->alpha, .limit = a->limit, .beta = a->beta, .combine = fused};
+                       .combine = fused};
     M3_TRY(m3_gemv_kernel(rt, &gd, &k, e));
-    const m3_gemv_combine cb = {.w = wts, .out = out, .tile_count = b.tiles};
-    M3_TRY(m3_launch_gemv_moe_fused(k, &gd, fused ? b.gu : b.act, w->down_tab, w->down_scale_tab, ids, w->shared_down,
-                                    w->shared_down_scale, ns, b.y, fused ? &cb : NULL, s, e));
+    const m3_gemv_epilogue ec = {.w = wts, .out = out, .tile_count = b.tiles};
+    M3_TRY(m3_launch_gemv_moe_fused(k, &gd, b.act, w->down_tab, w->down_scale_tab, ids, w->shared_down,
+                                    w->shared_down_scale, ns, b.y, fused ? &ec : NULL, s, e));
     if (fused) return M3_OK;
     if (ns) {
       shared_y = b.y + P * H;

@@ -150,11 +150,10 @@ typedef struct m3_gemv_args {
   int moe;            /* pair p reads the weight of expert ids[p] from a pointer table */
   int xdiv;           /* moe: pair p reads x row p / xdiv (top-k for gate|up, 1 for down) */
   int n_experts;      /* moe: entries of the pointer tables */
-  /* Fusions (W8A16 MoE down GEMV, templates/mxfp8.lua): */
-  int act;            /* 1: x is gu [pairs, 2 cols] bf16 (gate | up); the kernel stages
-                         x = bf16(SwiGLU-OAI(gate, up)) (§7.3, m3_ref_swiglu_oai bit for bit) */
+  /* Epilogues of the W8A16 MoE GEMV (m3_launch_gemv_moe_fused), at most one: */
+  int act;            /* 1 (gate|up): also writes SwiGLU-OAI(gate, up) (§7.3) */
   float alpha, limit, beta; /* act: SwiGLU-OAI's constants (carried by the key in millionths) */
-  int combine;        /* 1: the launch also writes the MoE combine (§12.6): m3_launch_gemv_moe_fused */
+  int combine;        /* 1 (down): also writes the MoE combine (§12.6) */
 } m3_gemv_args;
 
 /* Key for an explicit nmax (1, 2, 4, 8).  Errors: M3_KEY. */
@@ -206,30 +205,37 @@ m3_status m3_launch_gemv_moe_shared(const m3_kernel *k, const m3_gemv_args *a, c
                                     const void *sw, const void *ss, int64_t n_shared, void *y, cudaStream_t stream,
                                     m3_err *e);
 
-/* The combine epilogue of a MoE down GEMV (combine = 1): with the shared
- * expert riding along as pairs a->n .. a->n + T - 1 (T tokens, K = a->n / T
- * routed pairs each), out[t] = bf16(sum_k w[t K + k] y[t K + k] + y[a->n + t])
- * in fp32, top-k order, one rounding: moe_combine's (m3_ref_moe) exactly, given
- * the same y.  y is still written.  tile_count: >= ceil(rows / 16) uint32
- * words of device memory, zero before the first launch; every launch leaves
- * them zero (the CTA that completes a row tile re-zeroes its word), so one
- * buffer serves every launch of a stream, never two streams at once. */
-typedef struct m3_gemv_combine {
-  const float *w;       /* [T, K] fp32 routing weights (routed_scaling applied), device */
-  void *out;            /* [T, rows] bf16, device; must not alias y */
+/* The epilogues of the W8A16 MoE GEMV (templates/mxfp8.lua), one per launch:
+ * - act = 1 (the gate|up launch: a->rows = 2I, gate rows [0, I), up rows
+ *   [I, 2I); I a multiple of 64): besides y = gu, act [pairs, I] bf16 =
+ *   bf16(SwiGLU-OAI(gate, up)) of each pair (§7.3): m3_ref_swiglu_oai of the
+ *   bf16 gu rows bit for bit, what m3_launch_swiglu would write.
+ *   tile_count: >= pairs * I / 16 words.
+ * - combine = 1 (the down launch, with the shared expert riding along as
+ *   pairs a->n .. a->n + T - 1: T tokens, K = a->n / T routed pairs each):
+ *   besides y, out [T, rows] = bf16(sum_k w[t K + k] y[t K + k] + y[a->n + t])
+ *   in fp32, top-k order, one rounding: moe_combine's (m3_ref_moe) exactly,
+ *   given the same y.  tile_count: >= ceil(rows / 16) words.
+ * tile_count: uint32 device words, zero before the first launch; every launch
+ * leaves them zero (the CTA that completes a word re-zeroes it), so one buffer
+ * serves every launch of a stream, never two streams at once. */
+typedef struct m3_gemv_epilogue {
+  void *act;            /* act = 1: [pairs, rows / 2] bf16, device; must not alias y */
+  const float *w;       /* combine = 1: [T, K] fp32 routing weights (routed_scaling applied), device */
+  void *out;            /* combine = 1: [T, rows] bf16, device; must not alias y */
   uint32_t *tile_count; /* see above */
-} m3_gemv_combine;
+} m3_gemv_epilogue;
 
-/* m3_launch_gemv_moe_shared with the key's fusions: act (x is then gu
- * [a->n + n_shared, 2 cols], 16-byte aligned) and, when c is not NULL (the
- * key must have combine=1, and n_shared >= 1 must divide a->n), the combine
- * into c->out.  A pair with a bad expert id leaves its y row as it was and the
- * combine reads it as it is.  Errors: as m3_launch_gemv_moe_shared; M3_INVAL
- * for a combine without shared pairs or a key/c mismatch. */
+/* m3_launch_gemv_moe_shared with the key's epilogue (a->act or a->combine:
+ * ep not NULL, else ep NULL).  A pair with a bad expert id leaves its y rows
+ * as they were and the epilogue reads them as they are.  Errors: as
+ * m3_launch_gemv_moe_shared; M3_INVAL for an epilogue its shapes do not allow
+ * (act: rows not 2I with I a multiple of 64; combine: no shared pairs, or
+ * their number not dividing a->n) or missing buffers. */
 m3_status m3_launch_gemv_moe_fused(const m3_kernel *k, const m3_gemv_args *a, const void *x,
                                    const void *const *w_tab, const void *const *s_tab, const int32_t *ids,
                                    const void *sw, const void *ss, int64_t n_shared, void *y,
-                                   const m3_gemv_combine *c, cudaStream_t stream, m3_err *e);
+                                   const m3_gemv_epilogue *ep, cudaStream_t stream, m3_err *e);
 
 /* ---- Sampling; templates/sample.lua ------------------------------------ */
 
@@ -291,9 +297,10 @@ void m3_moe_ws_free(m3_moe_ws *ws);
  * Decode: router GEMV (fp32 weights), route, one MoE GEMV over all chosen
  * experts' gate|up, SwiGLU, one MoE GEMV for down, shared expert GEMVs,
  * combine in pair order; with MXFP8 experts and a shared expert as wide as
- * the routed ones (M3), the down GEMV stages SwiGLU(gu) itself and ends with
- * the combine (m3_launch_gemv_moe_fused: the same values, two launches fewer;
- * M3KIT_MOE_FUSE=0 in the environment keeps the three launches).  Prefill: router GEMM (cuBLAS fp32 with m32, else
+ * the routed ones (M3), the down GEMV also writes the combine
+ * (m3_launch_gemv_moe_fused: the same values, one launch fewer).  The
+ * environment's M3KIT_MOE_FUSE=0 keeps the combine launch; =all also has the
+ * gate|up GEMV write SwiGLU(gu) (measured slower: runtime/op_ffn.c).  Prefill: router GEMM (cuBLAS fp32 with m32, else
  * the GEMV in chunks of 8 tokens), route, stable group, gather, one cuBLAS
  * GEMM per expert on its contiguous rows (MXFP8 experts are dequantised into
  * scratch first), SwiGLU, combine through the inverse permutation; one sync

@@ -41,14 +41,18 @@
 --
 -- Fusions (W8A16 MoE GEMV, the decode step's down projection): a SwiGLU launch
 -- and a combine launch cost ~1.5-3 us each in the step's chain of kernels,
--- 57 MoE layers a token.  act=swiglu reads gate|up's output and stages
--- bf16(SwiGLU-OAI) - the SwiGLU kernel's exact values (lib/ffn.lua's one
--- text) - as x.  combine=1 adds moe_combine's sum: each CTA counts its
--- finished row tiles in tile_count[tile] (after a __threadfence of its y
--- stores); the CTA that completes a tile's count (every pair's rows written)
--- reads the pairs' rows through L2 (ld.cg), writes out = bf16(sum_k w_k y_k +
--- y_shared) in moe_combine's order and roundings, and zeroes the count for the
--- next launch.  A pair skipped for a bad expert id still counts its tiles.
+-- 57 MoE layers a token.  Both are epilogues on the finished row tiles, so
+-- the work is spread over the CTAs and done once (staging SwiGLU(gu) as the
+-- down GEMV's x instead - every CTA computing a whole row of expf - cost 10
+-- us a launch, device run 44).  Each CTA counts its finished tiles in
+-- tile_count words (after a __threadfence of its stores); the CTA whose count
+-- completes a word reads the rows it pairs through L2 (ld.cg), writes, and
+-- zeroes the word for the next launch.  act=swiglu (gate|up): gate tile j and
+-- up tile j meet in one word; the second writes act = bf16(SwiGLU-OAI(gate,
+-- up)) of those rows - the SwiGLU kernel's exact values (lib/ffn.lua's one
+-- text).  combine=1 (down): a row tile's word counts every pair; the last
+-- writes out = bf16(sum_k w_k y_k + y_shared) in moe_combine's order and
+-- roundings.  A pair skipped for a bad expert id still counts its tiles.
 local P = m3.include("lib/prelude")
 local F = m3.include("lib/ffn")
 local I = m3.include("lib/indexer")
@@ -65,7 +69,7 @@ T.axes = {
   {"nmax", {1, 2, 4, 8}},           -- most tokens per launch (accumulators are compile-time)
   {"moe", {0, 1}},                  -- per-pair expert weights through a pointer table
   -- Fusions of the MoE decode's neighbours into its down GEMV (W8A16):
-  {"act", {"none", "swiglu"}},      -- swiglu: x is gu [pairs, 2 cols]; x = SwiGLU-OAI(gate, up) while staged (§7.3)
+  {"act", {"none", "swiglu"}},      -- swiglu (gate|up): also writes act = SwiGLU-OAI(gate, up) [pairs, rows/2] (§7.3)
   {"alpha_e6", "int"},              -- act=swiglu: its constants x 10^6 in the key (fault 22); 0 with act=none
   {"limit_e6", "int"},
   {"beta_e6", "int"},
@@ -119,13 +123,14 @@ function T.valid(k, t, arch)
     if k.alpha_e6 ~= 0 or k.limit_e6 ~= 0 or k.beta_e6 ~= 0 then
       return false, "alpha_e6, limit_e6, beta_e6 are act=swiglu's constants: 0 with act=none"
     end
-  elseif k.op ~= "gemv" or k.w ~= "e4m3" then
-    return false, "act=swiglu is the W8A16 GEMV's staging (op=gemv, w=e4m3)"
   elseif k.limit_e6 < 0 then
     return false, "the clamp limit must be >= 0"
   end
-  if k.combine == 1 and (k.op ~= "gemv" or k.w ~= "e4m3" or k.moe ~= 1) then
-    return false, "combine=1 is the W8A16 MoE GEMV's epilogue (op=gemv, w=e4m3, moe=1)"
+  if (k.combine == 1 or k.act ~= "none") and (k.op ~= "gemv" or k.w ~= "e4m3" or k.moe ~= 1) then
+    return false, "act=swiglu and combine=1 are the W8A16 MoE GEMV's epilogues (op=gemv, w=e4m3, moe=1)"
+  end
+  if k.combine == 1 and k.act ~= "none" then
+    return false, "act=swiglu is the gate|up launch's epilogue, combine=1 the down launch's: not both"
   end
   if k.op == "dequant" then
     if k.w ~= "e4m3" or k.out ~= "bf16" or k.nmax ~= 1 or k.moe ~= 0 then
@@ -203,15 +208,17 @@ function T.variants(c)
   local out, seen = {}, {}
   local function add(op, w, o, cols, moe, fused)
     if not cols or cols < 1 then return end
-    local id = table.concat({op, w, o, cols, moe, fused and 1 or 0}, ",")
+    local id = table.concat({op, w, o, cols, moe, fused or ""}, ",")
     if seen[id] then return end
     seen[id] = true
     local v = {op = op, w = w, out = o, cols = cols, nmax = 1, moe = moe, act = "none", alpha_e6 = 0, limit_e6 = 0,
                beta_e6 = 0, combine = 0}
-    if fused then
+    if fused == "act" then
       -- model_dims does not export the SwiGLU constants yet (as swiglu.lua): M3's
       v.act, v.alpha_e6 = "swiglu", c.swiglu_alpha_e6 or 1702000
-      v.limit_e6, v.beta_e6, v.combine = c.swiglu_limit_e6 or 7000000, c.swiglu_beta_e6 or 1000000, 1
+      v.limit_e6, v.beta_e6 = c.swiglu_limit_e6 or 7000000, c.swiglu_beta_e6 or 1000000
+    elseif fused == "combine" then
+      v.combine = 1
     end
     out[#out + 1] = v
   end
@@ -225,9 +232,9 @@ function T.variants(c)
     add("gemv", "e4m3", "bf16", c.shared_inter, 0)          -- shared expert down
     add("gemv", "e4m3", "bf16", H, 1)                       -- routed experts gate|up
     add("gemv", "e4m3", "bf16", c.inter, 1)                 -- routed experts down
-    if c.shared_inter == c.inter then                       -- ... with SwiGLU and the combine (decode)
-      add("gemv", "e4m3", "bf16", c.inter, 1, true)
-    end
+    -- ... with the combine (decode; act=swiglu, slower in the step, is
+    -- compiled at first use by M3KIT_MOE_FUSE=all only)
+    if c.shared_inter == c.inter then add("gemv", "e4m3", "bf16", c.inter, 1, "combine") end
     add("gemv", "f32", "f32", H, 0)                         -- fp32 router
   end
   add("gemv", "bf16", "f32", H, 0)                          -- lm_head (bf16 in both releases) -> fp32 logits
@@ -772,10 +779,10 @@ $wait  /* Staged rows: the tokens (non-MoE), or the x rows of pairs xp0 .. xp0 +
   if (tid < NXS) s_emax[tid] = 0;
   __syncthreads();
   for (int t = 0; t < nx; t++) {
-    const bf16_t *xb = MOE ? x + (long long)xrow_of(xp0 + t, n, xdiv) * $xstride : x + (long long)t * $xstride;
+    const bf16_t *xb = MOE ? x + (long long)xrow_of(xp0 + t, n, xdiv) * COLS : x + (long long)t * COLS;
     u32 m = 0u;
     for (int i = tid; i < COLS / 8; i += WARPS * 32) {
-      const uint4 v = $xload(xb + 8 * i);
+      const uint4 v = ld16(xb + 8 * i);
       xs4[t * XS4 + i] = v;
       const u32 a[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -880,7 +887,7 @@ $wait  /* Staged rows: the tokens (non-MoE), or the x rows of pairs xp0 .. xp0 +
             }
           }
       }
-$combine_multi#pragma unroll
+$epi_multi#pragma unroll
       for (int r = 0; r < RPW; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.0f;
     }
     if (++sq == nst) { sq = 0; ti++; if (++clt == tpp) { clt = 0; cj++; } }
@@ -953,7 +960,7 @@ $combine_multi#pragma unroll
         ((bf16_t *)y)[at] = f32_to_bf16(fmul_rn(acc[r][i], s_out[t]));
       }
     }
-$combine_tail#endif
+$epi_tail#endif
 }
 ]==]
 
@@ -963,29 +970,43 @@ $combine_tail#endif
 -- weights (launch arguments no kernel writes: the launcher's header says so)
 -- stream while the previous kernel drains.
 -- The fusions (act, combine; file comment): text only where the key has them,
--- so that act=none, combine=0 render the kernel as before.
-local SWIGLU8 = [==[
-/* act=swiglu: x row = SwiGLU-OAI of the gu row's gate [0, COLS) and up
- * [COLS, 2 COLS) (the x pointer is the gu row), 8 dims from 16-byte loads. */
-M3_DEV uint4 swiglu8(const bf16_t *gate) {
-  const uint4 gv = ld16(gate), uv = ld16(gate + COLS);
-  uint4 r;
-  r.x = pack_bf16(swiglu_oai(bf16lo(gv.x), bf16lo(uv.x)), swiglu_oai(bf16hi(gv.x), bf16hi(uv.x)));
-  r.y = pack_bf16(swiglu_oai(bf16lo(gv.y), bf16lo(uv.y)), swiglu_oai(bf16hi(gv.y), bf16hi(uv.y)));
-  r.z = pack_bf16(swiglu_oai(bf16lo(gv.z), bf16lo(uv.z)), swiglu_oai(bf16hi(gv.z), bf16hi(uv.z)));
-  r.w = pack_bf16(swiglu_oai(bf16lo(gv.w), bf16lo(uv.w)), swiglu_oai(bf16hi(gv.w), bf16hi(uv.w)));
-  return r;
+-- so that act=none, combine=0 render the kernel as before.  Both count a
+-- CTA's finished row tiles (EPI_TILE) after the tile's y stores.
+local ACT_FN = [==[
+/* act=swiglu (the gate|up GEMV: rows = 2I, gate rows [0, I), up rows [I, 2I),
+ * I a multiple of 16 RPW: the launcher checks): warp 0 of a CTA has stored
+ * (or, bad expert id, skipped) rows [r0, r0 + 16 RPW) of pair `pair`.  Gate
+ * tile j and up tile j count into one word; the second of the two computes
+ * act[pair][j..] = bf16(SwiGLU-OAI(gate, up)) from the bf16 rows (ld.cg: the
+ * other CTA's stores of this launch), the SwiGLU kernel's values exactly,
+ * and zeroes the word for the next launch. */
+M3_DEV void epi_tile(bf16_t *act, unsigned *cnt, int tile, int pair, int r0, const bf16_t *gu, int rows, int lane) {
+  (void)tile;
+  const int I = rows / 2, j0 = r0 < I ? r0 : r0 - I, slot = pair * (I / (16 * RPW)) + j0 / (16 * RPW);
+  __threadfence();   /* this warp's gu stores device-wide before its count */
+  __syncwarp();
+  unsigned done = 0u;
+  if (lane == 0) done = atomicAdd(cnt + slot, 1u) + 1u;
+  done = __shfl_sync(FULL, done, 0);
+  if (done != 2u) return;
+  __threadfence();
+  const bf16_t *g = gu + (long long)pair * rows;
+  for (int r = lane; r < 16 * RPW; r += 32)
+    act[(long long)pair * I + j0 + r] =
+        f32_to_bf16(swiglu_oai(bf16_to_f32(__ldcg(g + j0 + r)), bf16_to_f32(__ldcg(g + I + j0 + r))));
+  if (lane == 0) cnt[slot] = 0u;
 }
+#define EPI_TILE(tile, pair, r0) epi_tile(act, cnt, (tile), (pair), (r0), (const bf16_t *)y, rows, lane)
 ]==]
 local COMBINE_FN = [==[
-/* combine=1: warp 0 of a CTA has stored pair rows [r0, r0 + 16 RPW) of row
- * tile `tile` (or skipped them: bad expert id).  Count them; the CTA whose
- * count completes the tile (npairs) sums the pairs into out as moe_combine
- * does - out[t] = bf16(sum_k w[t K + k] y[t K + k] + y[n + t]), fp32 in top-k
- * order, one rounding; K = n / (npairs - n), the shared expert's pairs last -
- * and zeroes the count for the next launch. */
-M3_DEV void combine_tile(const float *cw, bf16_t *out, unsigned *cnt, int tile, int r0, const bf16_t *y, int n,
-                         int npairs, int rows, int lane) {
+/* combine=1 (the down GEMV): warp 0 of a CTA has stored (or, bad expert id,
+ * skipped) pair rows [r0, r0 + 16 RPW) of row tile `tile`.  Count them; the
+ * CTA whose count completes the tile (npairs) sums the pairs into out as
+ * moe_combine does - out[t] = bf16(sum_k w[t K + k] y[t K + k] + y[n + t]),
+ * fp32 in top-k order, one rounding; K = n / (npairs - n), the shared
+ * expert's pairs last - and zeroes the count for the next launch. */
+M3_DEV void epi_tile(const float *cw, bf16_t *out, unsigned *cnt, int tile, int r0, const bf16_t *y, int n,
+                     int npairs, int rows, int lane) {
   __threadfence();   /* this warp's y stores device-wide before its count */
   __syncwarp();
   unsigned done = 0u;
@@ -1006,33 +1027,35 @@ M3_DEV void combine_tile(const float *cw, bf16_t *out, unsigned *cnt, int tile, 
     }
   if (lane == 0) cnt[tile] = 0u;
 }
+#define EPI_TILE(tile, pair, r0) epi_tile(cw, out, cnt, (tile), (r0), (const bf16_t *)y, n, npairs, rows, lane)
 ]==]
 local function fused_defs(k)
-  local s = ""
   if k.act == "swiglu" then
-    s = s .. string.format("#define ALPHA (%s)\n#define LIMIT (%s)\n#define BETA (%s)\n", F.e6_literal(k.alpha_e6),
-                           F.e6_literal(k.limit_e6), F.e6_literal(k.beta_e6)) .. F.swiglu_oai .. SWIGLU8
+    return string.format("#define ALPHA (%s)\n#define LIMIT (%s)\n#define BETA (%s)\n", F.e6_literal(k.alpha_e6),
+                         F.e6_literal(k.limit_e6), F.e6_literal(k.beta_e6)) .. F.swiglu_oai .. ACT_FN
   end
-  if k.combine == 1 then s = s .. COMBINE_FN end
-  return s
+  return k.combine == 1 and COMBINE_FN or ""
 end
-local COMBINE_PARAMS = ",\n     const float *__restrict__ cw, bf16_t *__restrict__ out, unsigned *__restrict__ cnt"
+local EPI_PARAMS = {
+  act = ",\n     bf16_t *__restrict__ act, unsigned *__restrict__ cnt",
+  combine = ",\n     const float *__restrict__ cw, bf16_t *__restrict__ out, unsigned *__restrict__ cnt",
+}
 local BADPAIR = [==[
   if (!pair_weights(p, n, ids, n_tab, w_tab, ws_tab, w, ws, x, wb, sb)) return;   /* the whole CTA: y row p stays */
 ]==]
-local COMBINE_BADPAIR = [==[
+local EPI_BADPAIR = [==[
   if (!pair_weights(p, n, ids, n_tab, w_tab, ws_tab, w, ws, x, wb, sb)) {   /* the whole CTA: y row p stays */
-    if (warp == 0) combine_tile(cw, out, cnt, (int)blockIdx.x, (int)blockIdx.x * RPW * 16, (const bf16_t *)y, n, npairs,
-                                rows, lane);   /* its tile still counts */
+    if (warp == 0) EPI_TILE((int)blockIdx.x, p, (int)blockIdx.x * RPW * 16);   /* its tile still counts */
     return;
   }
 ]==]
-local COMBINE_MULTI = [==[
-      if (warp == 0) combine_tile(cw, out, cnt, clt, tr0, (const bf16_t *)y, n, npairs, rows, lane);
+local EPI_MULTI = [==[
+      if (warp == 0) EPI_TILE(clt, pp, tr0);
 ]==]
-local COMBINE_TAIL = [==[
-  combine_tile(cw, out, cnt, (int)blockIdx.x, row0, (const bf16_t *)y, n, npairs, rows, lane);
+local EPI_TAIL = [==[
+  EPI_TILE((int)blockIdx.x, p, row0);
 ]==]
+local function epi(k) return k.act == "swiglu" or k.combine == 1 end
 
 local WAIT_OPEN = "M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */"
 local LEAD_OPEN = "M3_LEAD_IN; /* the weights only until the wait (lib/lead.lua) */"
@@ -1050,10 +1073,10 @@ function T.render(k, t, arch, sym)
       cols = k.cols, nmax = k.nmax, moe = k.moe, warps = t.warps, rpw = t.rpw, unroll = t.unroll, pipe = t.pipe,
       wlog2 = t.cvt == "hw" and 0 or 8, stage = ring_stage(t), tpc = t.tpc, sym = sym,
       open = t.lead == 1 and LEAD_OPEN or WAIT_OPEN, wait = t.lead == 1 and LEAD_WAIT or "",
-      fused_defs = fused_defs(k), params = k.combine == 1 and COMBINE_PARAMS or "",
-      xstride = k.act == "swiglu" and "(2 * COLS)" or "COLS", xload = k.act == "swiglu" and "swiglu8" or "ld16",
-      badpair = k.combine == 1 and COMBINE_BADPAIR or BADPAIR,
-      combine_multi = k.combine == 1 and COMBINE_MULTI or "", combine_tail = k.combine == 1 and COMBINE_TAIL or "",
+      fused_defs = fused_defs(k),
+      params = k.act == "swiglu" and EPI_PARAMS.act or (k.combine == 1 and EPI_PARAMS.combine or ""),
+      badpair = epi(k) and EPI_BADPAIR or BADPAIR,
+      epi_multi = epi(k) and EPI_MULTI or "", epi_tail = epi(k) and EPI_TAIL or "",
     })
     smem = gemv_smem(k, t)
   else

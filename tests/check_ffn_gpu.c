@@ -889,24 +889,20 @@ END_TEST
  * with `shared`, one more expert (index E, outside the tables) runs as the
  * shared expert's pairs of m3_launch_gemv_moe_shared: one per token (gate|up,
  * xdiv > 1) or one per token after the P routed rows (down, xdiv == 1). */
-/* fused (shared = 1, xdiv = 1, e4m3): the down GEMV with act=swiglu and
- * combine=1 (m3_launch_gemv_moe_fused): x is gu [P + NS, 2 cols], its rows
- * SwiGLU'd by m3_ref_swiglu_oai for the reference, and out = the combine of
- * the reference rows (m3_ref_moe's loop); the bad id sits in the last token's
- * pairs, whose out row is then left unchecked, and a second launch with good
- * ids over the same tile counts must give every token's row: the counts came
- * back to zero. */
+/* epi (shared = 1, e4m3; m3_launch_gemv_moe_fused): 1 = the gate|up launch
+ * with act=swiglu (xdiv = K, rows = 2I): act must be m3_ref_swiglu_oai of the
+ * y rows the kernel wrote, bit for bit; 2 = the down launch with combine=1
+ * (xdiv = 1): out = the combine of the reference rows (m3_ref_moe's loop),
+ * rel. L2 <= 1e-2.  The bad id sits in the last token's pairs, whose act rows
+ * and out row are left unchecked, and a second launch with good ids over the
+ * same tile counts must give every row: the counts came back to zero (also
+ * read back). */
 static void run_gemv_moe_any(int e4m3, int E, int T, int K, int64_t rows, int64_t cols, int xdiv, const char *tile,
-                             int shared, int fused) {
-  m3_rng r = rng_for((uint64_t)E * 3 + (uint64_t)rows + (uint64_t)e4m3 + (uint64_t)shared * 17 + (uint64_t)fused);
+                             int shared, int epi) {
+  m3_rng r = rng_for((uint64_t)E * 3 + (uint64_t)rows + (uint64_t)e4m3 + (uint64_t)shared * 17 + (uint64_t)epi);
   const int P = T * K, NS = shared ? T : 0, XR = xdiv == 1 ? P + NS : T, NE = E + (shared ? 1 : 0);
-  const int64_t xc = fused ? 2 * cols : cols; /* gu rows when fused */
-  m3_bf16 *x = rand_bf16(&r, (size_t)XR * xc, fused ? 2.0f : 1.0f), *x_up = malloc(sizeof *x * (size_t)XR * xc);
-  memcpy(x_up, x, sizeof *x * (size_t)XR * xc); /* what the kernel reads */
-  m3_bf16 *yref = fused ? malloc(sizeof *yref * (size_t)(P + NS) * rows) : NULL;
-  if (fused) /* the SwiGLU'd rows the reference multiplies, in place of gate (cols per row) */
-    for (int i = 0; i < XR; i++)
-      m3_ref_swiglu_oai(cols, x + (size_t)i * xc, x + (size_t)i * xc + cols, 1.702f, 7.0f, 1.0f, x + (size_t)i * xc);
+  m3_bf16 *x = rand_bf16(&r, (size_t)XR * cols, 1.0f);
+  m3_bf16 *yref = epi ? malloc(sizeof *yref * (size_t)(P + NS) * rows) : NULL;
   uint8_t **q = calloc((size_t)NE, sizeof *q), **s = calloc((size_t)NE, sizeof *s);
   m3_bf16 **wb = calloc((size_t)NE, sizeof *wb);
   const void **h_w = calloc((size_t)NE, sizeof *h_w), **h_s = calloc((size_t)NE, sizeof *h_s);
@@ -924,20 +920,19 @@ static void run_gemv_moe_any(int e4m3, int E, int T, int K, int64_t rows, int64_
   for (int p = 0; p < P; p++) ids[p] = (int32_t)(m3_rng_next(&r) % (uint64_t)E);
   ids[P - 1] = E; /* a bad id: that row must stay untouched */
   void *d_tab = dup(h_w, sizeof(void *) * (size_t)E), *d_stab = e4m3 ? dup(h_s, sizeof(void *) * (size_t)E) : NULL;
-  void *d_ids = dup(ids, 4 * (size_t)P), *d_x = dup(x_up, sizeof *x * (size_t)XR * xc);
+  void *d_ids = dup(ids, 4 * (size_t)P), *d_x = dup(x, sizeof *x * (size_t)XR * cols);
   void *d_y = dpoison(sizeof(m3_bf16) * (size_t)(P + NS) * rows);
   m3_gemv_args a = {.n = P, .rows = rows, .cols = cols, .wfmt = e4m3 ? M3_GEMV_E4M3 : M3_GEMV_BF16, .moe = 1,
-                    .xdiv = xdiv, .n_experts = E, .act = fused, .alpha = 1.702f, .limit = 7.0f, .beta = 1.0f,
-                    .combine = fused};
+                    .xdiv = xdiv, .n_experts = E, .act = epi == 1, .alpha = 1.702f, .limit = 7.0f, .beta = 1.0f,
+                    .combine = epi == 2};
   float *cw = malloc(sizeof *cw * (size_t)P);
   for (int p = 0; p < P; p++) cw[p] = 2.0f * m3_rng_unif(&r);
-  void *d_cw = dup(cw, sizeof *cw * (size_t)P), *d_out = dpoison(sizeof(m3_bf16) * (size_t)T * rows);
-  uint32_t *d_cnt = NULL;
-  if (fused) {
-    GPU_CHECK(m3_dev_alloc((void **)&d_cnt, sizeof *d_cnt * (size_t)(rows + 15) / 16, &e_));
-    ck_assert_int_eq(cudaMemset(d_cnt, 0, sizeof *d_cnt * (size_t)(rows + 15) / 16), cudaSuccess);
-  }
-  const m3_gemv_combine cb = {.w = d_cw, .out = d_out, .tile_count = d_cnt};
+  /* the epilogue's output: act [P + NS, rows / 2] or out [T, rows]; its tile counts */
+  const size_t eo = epi == 1 ? (size_t)(P + NS) * rows / 2 : (size_t)T * rows;
+  const size_t nc = epi == 1 ? (size_t)(P + NS) * (rows / 2 / 16) : (size_t)(rows + 15) / 16;
+  void *d_cw = dup(cw, sizeof *cw * (size_t)P), *d_eo = epi ? dpoison(sizeof(m3_bf16) * eo) : NULL;
+  uint32_t *d_cnt = epi ? dzero(sizeof *d_cnt * nc) : NULL;
+  const m3_gemv_epilogue ep = {.act = d_eo, .w = d_cw, .out = d_eo, .tile_count = d_cnt};
   m3_kernel *k;
   m3_err e;
   if (tile) {
@@ -949,8 +944,8 @@ static void run_gemv_moe_any(int e4m3, int E, int T, int K, int64_t rows, int64_
   }
   char ctx[1400];
   ctx_of(k, shared ? "gemv moe + shared" : "gemv moe", ctx, sizeof ctx);
-  if (fused)
-    GPU_CHECK(m3_launch_gemv_moe_fused(k, &a, d_x, d_tab, d_stab, d_ids, h_w[E], h_s[E], NS, d_y, &cb, g_rt.stream,
+  if (epi)
+    GPU_CHECK(m3_launch_gemv_moe_fused(k, &a, d_x, d_tab, d_stab, d_ids, h_w[E], h_s[E], NS, d_y, &ep, g_rt.stream,
                                        &e_));
   else if (shared)
     GPU_CHECK(m3_launch_gemv_moe_shared(k, &a, d_x, d_tab, d_stab, d_ids, h_w[E], h_s[E], NS, d_y, g_rt.stream, &e_));
@@ -964,39 +959,55 @@ static void run_gemv_moe_any(int e4m3, int E, int T, int K, int64_t rows, int64_
       continue;
     }
     const int ex = p < P ? ids[p] : E;
-    const m3_bf16 *xp = x + (size_t)(p < P ? p / xdiv : (xdiv == 1 ? p : p - P)) * xc;
+    const m3_bf16 *xp = x + (size_t)(p < P ? p / xdiv : (xdiv == 1 ? p : p - P)) * cols;
     if (e4m3) ck_assert_int_eq(m3_ref_gemm_w8a16(1, rows, cols, xp, q[ex], s[ex], yr, &e), M3_OK);
     else ck_assert_int_eq(m3_ref_gemm_bf16(1, rows, cols, xp, wb[ex], yr, &e), M3_OK);
     char c2[1500];
     snprintf(c2, sizeof c2, "%s pair %d%s", ctx, p, p >= P ? " (shared)" : "");
     expect_rel(c2, y + (size_t)p * rows, yr, (size_t)rows, 1e-2);
-    if (fused) memcpy(yref + (size_t)p * rows, yr, sizeof *yr * (size_t)rows);
+    if (epi) memcpy(yref + (size_t)p * rows, yr, sizeof *yr * (size_t)rows);
   }
-  for (int pass = 0; fused && pass < 2; pass++) {
+  for (int pass = 0; epi && pass < 2; pass++) {
     if (pass == 1) { /* every id good now: the same counts must complete every tile again */
       ids[P - 1] = 0;
       GPU_CHECK(m3_dev_upload(d_ids, ids, 4 * (size_t)P, &e_));
-      const m3_bf16 *xp = x + (size_t)(P - 1) * xc;
+      const m3_bf16 *xp = x + (size_t)((P - 1) / xdiv) * cols;
       ck_assert_int_eq(m3_ref_gemm_w8a16(1, rows, cols, xp, q[0], s[0], yref + (size_t)(P - 1) * rows, &e), M3_OK);
-      GPU_CHECK(m3_launch_gemv_moe_fused(k, &a, d_x, d_tab, d_stab, d_ids, h_w[E], h_s[E], NS, d_y, &cb, g_rt.stream,
+      GPU_CHECK(m3_launch_gemv_moe_fused(k, &a, d_x, d_tab, d_stab, d_ids, h_w[E], h_s[E], NS, d_y, &ep, g_rt.stream,
                                          &e_));
       sync_ok();
+      free(y);
+      y = down(d_y, sizeof(m3_bf16) * (size_t)(P + NS) * rows);
     }
-    m3_bf16 *out = down(d_out, sizeof(m3_bf16) * (size_t)T * rows), *oref = malloc(sizeof *oref * (size_t)rows);
-    for (int t = 0; t < T - (pass == 0); t++) {
-      for (int64_t i = 0; i < rows; i++) { /* m3_ref_moe's combine loop */
-        float acc = 0.0f;
-        for (int k2 = 0; k2 < K; k2++) acc += cw[t * K + k2] * m3_bf16_to_f32(yref[(size_t)(t * K + k2) * rows + i]);
-        acc += m3_bf16_to_f32(yref[(size_t)(P + t) * rows + i]);
-        oref[i] = m3_f32_to_bf16(acc);
+    m3_bf16 *o = down(d_eo, sizeof(m3_bf16) * eo);
+    char c2[1500];
+    if (epi == 1) { /* act: SwiGLU-OAI of the gu rows the launch wrote, bit for bit */
+      const int64_t I = rows / 2;
+      m3_bf16 *want = malloc(sizeof *want * (size_t)I);
+      for (int p = 0; p < P + NS; p++) {
+        if (pass == 0 && p == P - 1) continue;
+        m3_ref_swiglu_oai(I, y + (size_t)p * rows, y + (size_t)p * rows + I, 1.702f, 7.0f, 1.0f, want);
+        snprintf(c2, sizeof c2, "%s act, pair %d%s", ctx, p, pass ? " (second launch)" : "");
+        expect_same(c2, o + (size_t)p * I, want, sizeof *want * (size_t)I);
       }
-      char c2[1500];
-      snprintf(c2, sizeof c2, "%s combine, token %d%s", ctx, t, pass ? " (second launch)" : "");
-      expect_rel(c2, out + (size_t)t * rows, oref, (size_t)rows, 1e-2);
+      free(want);
+    } else {
+      m3_bf16 *oref = malloc(sizeof *oref * (size_t)rows);
+      for (int t = 0; t < T - (pass == 0); t++) {
+        for (int64_t i = 0; i < rows; i++) { /* m3_ref_moe's combine loop */
+          float acc = 0.0f;
+          for (int k2 = 0; k2 < K; k2++) acc += cw[t * K + k2] * m3_bf16_to_f32(yref[(size_t)(t * K + k2) * rows + i]);
+          acc += m3_bf16_to_f32(yref[(size_t)(P + t) * rows + i]);
+          oref[i] = m3_f32_to_bf16(acc);
+        }
+        snprintf(c2, sizeof c2, "%s combine, token %d%s", ctx, t, pass ? " (second launch)" : "");
+        expect_rel(c2, o + (size_t)t * rows, oref, (size_t)rows, 1e-2);
+      }
+      free(oref);
     }
-    uint32_t *cnt = down(d_cnt, sizeof *cnt * (size_t)(rows + 15) / 16);
-    for (int64_t i = 0; i < (rows + 15) / 16; i++) ck_assert_msg(!cnt[i], "%s: tile count %ld left at %u", ctx, (long)i, cnt[i]);
-    free(cnt); free(out); free(oref);
+    uint32_t *cnt = down(d_cnt, sizeof *cnt * nc);
+    for (size_t i = 0; i < nc; i++) ck_assert_msg(!cnt[i], "%s: tile count %zu left at %u", ctx, i, cnt[i]);
+    free(cnt); free(o);
   }
   for (int x2 = 0; x2 < NE; x2++) {
     m3_dev_free((void *)h_w[x2]);
@@ -1004,16 +1015,18 @@ static void run_gemv_moe_any(int e4m3, int E, int T, int K, int64_t rows, int64_
     free(q[x2]); free(s[x2]); free(wb[x2]);
   }
   m3_dev_free(d_tab); m3_dev_free(d_stab); m3_dev_free(d_ids); m3_dev_free(d_x); m3_dev_free(d_y);
-  m3_dev_free(d_cw); m3_dev_free(d_out); m3_dev_free(d_cnt);
-  free(q); free(s); free(wb); free(h_w); free(h_s); free(ids); free(x); free(x_up); free(y); free(yr); free(yref); free(cw);
+  m3_dev_free(d_cw); m3_dev_free(d_eo); m3_dev_free(d_cnt);
+  free(q); free(s); free(wb); free(h_w); free(h_s); free(ids); free(x); free(y); free(yr); free(yref); free(cw);
 }
 
 static void run_gemv_moe(int e4m3, int E, int T, int K, int64_t rows, int64_t cols, int xdiv, const char *tile,
                          int shared) {
   run_gemv_moe_any(e4m3, E, T, K, rows, cols, xdiv, tile, shared, 0);
 }
-static void run_gemv_moe_fused(int E, int T, int K, int64_t rows, int64_t cols, const char *tile) {
-  run_gemv_moe_any(1, E, T, K, rows, cols, 1, tile, 1, 1);
+/* The decode step's MoE launches with their epilogues: gate|up [rows = 2I]
+ * with act=swiglu (epi 1), down with combine=1 (epi 2). */
+static void run_gemv_moe_epi(int epi, int E, int T, int K, int64_t rows, int64_t cols, const char *tile) {
+  run_gemv_moe_any(1, E, T, K, rows, cols, epi == 1 ? K : 1, tile, 1, epi);
 }
 
 START_TEST(gemv_moe_expert_shapes) {
@@ -1025,30 +1038,32 @@ START_TEST(gemv_moe_expert_shapes) {
 }
 END_TEST
 
-/* The fused down GEMV (act=swiglu, combine=1) at the real shape and over its
- * tiles: the one-tile loop, the multi-tile loops (tpc 8: a CTA's tiles of
- * one pair; 0: crossing pairs), pipe 1/2. */
-static int fused_tile(const char *t) {
+/* The epilogues at the real shapes and over their tiles: the one-tile loop,
+ * the multi-tile loops (tpc 8: a CTA's tiles of one pair; 0: crossing pairs),
+ * pipe 1/2.  act needs I a multiple of 64: 2 x 320 rows (down: 515). */
+static int epi_tile(const char *t) {
   if (!g_emu) return tpc_0_1_or_8(t);
   /* the emulator compiles a tile in seconds: one of each loop */
   return strstr(t, "warps=8,rpw=1,unroll=4,cvt=alu,pipe=1,tpc=1,") || strstr(t, "warps=4,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=1,") ||
          strstr(t, "warps=2,rpw=1,unroll=4,cvt=hw,pipe=4,tpc=8,") || strstr(t, "warps=4,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=0,");
 }
 
-START_TEST(gemv_moe_fused_tiles) {
-  run_gemv_moe_fused(3, 2, 4, real_rows(6144), 3072, NULL);
-  m3_gemv_args a = {.n = 8, .rows = 515, .cols = 1024, .wfmt = M3_GEMV_E4M3, .moe = 1, .xdiv = 1, .n_experts = 5,
-                    .act = 1, .alpha = 1.702f, .limit = 7.0f, .beta = 1.0f, .combine = 1};
+START_TEST(gemv_moe_epilogues) {
+  const int epi = 1 + _i;
+  run_gemv_moe_epi(epi, 3, 2, 4, epi == 1 ? real_rows(6144) / 128 * 128 : real_rows(6144), epi == 1 ? 6144 : 3072, NULL);
+  const int64_t rows = epi == 1 ? 640 : 515;
+  m3_gemv_args a = {.n = 8, .rows = rows, .cols = 1024, .wfmt = M3_GEMV_E4M3, .moe = 1, .xdiv = epi == 1 ? 4 : 1,
+                    .n_experts = 5, .act = epi == 1, .alpha = 1.702f, .limit = 7.0f, .beta = 1.0f, .combine = epi == 2};
   m3_variant v;
   m3_err e;
   ck_assert_int_eq(m3_gemv_key(&a, 1, &v, &e), M3_OK);
   char (*tiles)[256];
   int n = gpu_valid_tiles(&v, &tiles);
   ck_assert_int_gt(n, 1);
-  n = select_tiles(tiles, n, fused_tile);
+  n = select_tiles(tiles, n, epi_tile);
   ck_assert_int_ge(n, 4);
   gpu_prewarm_tiles(&v, tiles, n);
-  for (int i = 0; i < n; i++) run_gemv_moe_fused(5, 2, 4, 515, 1024, tiles[i]);
+  for (int i = 0; i < n; i++) run_gemv_moe_epi(epi, 5, 2, 4, rows, 1024, tiles[i]);
   free(tiles);
 }
 END_TEST
@@ -1484,7 +1499,7 @@ static Suite *make(void) {
   /* One TCase per kernel family so CK_RUN_CASE=<name> runs one. */
   struct { const char *name; TCase *tc; } c[] = {{"norm", 0}, {"embed", 0}, {"route", 0}, {"swiglu", 0},
                                                  {"combine", 0}, {"mxfp8", 0}, {"gemv", 0}, {"moe", 0},
-                                                 {"sample", 0}, {"gemv_tiles", 0}, {"gemv_ring", 0}};
+                                                 {"sample", 0}, {"gemv_tiles", 0}, {"gemv_ring", 0}, {"gemv_epi", 0}};
   for (size_t i = 0; i < sizeof c / sizeof *c; i++) {
     c[i].tc = tcase_create(c[i].name);
     tcase_set_timeout(c[i].tc, 3600);
@@ -1516,7 +1531,7 @@ static Suite *make(void) {
   tcase_add_loop_test(c[9].tc, gemv_every_tile, 0, 3);
   tcase_add_loop_test(c[6].tc, gemv_moe_expert_shapes, 0, 2);
   tcase_add_test(c[9].tc, gemv_moe_every_tile);
-  tcase_add_test(c[6].tc, gemv_moe_fused_tiles);
+  tcase_add_loop_test(c[11].tc, gemv_moe_epilogues, 0, 2);
   tcase_add_loop_test(c[10].tc, gemv_ring_real_cols, 0, 2);
   tcase_add_loop_test(c[6].tc, cublas_gemm, 0, 4);
   tcase_add_loop_test(c[7].tc, moe_end_to_end, 0, 10);
