@@ -868,18 +868,25 @@ END_TEST
 /* tpc 1 (a loop of its own), 8 and 0 (the multi-tile loop: fixed, balanced) */
 static int tpc_0_1_or_8(const char *t) { return strstr(t, "tpc=0") || strstr(t, "tpc=1") || strstr(t, "tpc=8"); }
 
+/* The valid tiles of a's GEMV key at nmax that keep() takes (at least
+ * min_n), compiled into the cubin cache; free(*tiles) after. */
+static int gemv_case_tiles(const m3_gemv_args *a, int nmax, int (*keep)(const char *), int min_n, char (**tiles)[256]) {
+  m3_variant v;
+  m3_err e;
+  ck_assert_int_eq(m3_gemv_key(a, nmax, &v, &e), M3_OK);
+  int n = gpu_valid_tiles(&v, tiles);
+  ck_assert_int_gt(n, 1);
+  n = select_tiles(*tiles, n, keep);
+  ck_assert_int_ge(n, min_n);
+  gpu_prewarm_tiles(&v, *tiles, n);
+  return n;
+}
+
 START_TEST(gemv_every_tile) {
   const int wfmt = _i;
   m3_gemv_args a = {.n = 3, .rows = 1025, .cols = 1024, .wfmt = wfmt, .out_f32 = wfmt == M3_GEMV_F32};
-  m3_variant v;
-  m3_err e;
-  ck_assert_int_eq(m3_gemv_key(&a, 4, &v, &e), M3_OK);
   char (*tiles)[256];
-  int n = gpu_valid_tiles(&v, &tiles);
-  ck_assert_int_gt(n, 1);
-  /* gemv_ring_real_cols runs tpc 2 and 3 */
-  n = select_tiles(tiles, n, tpc_0_1_or_8);
-  gpu_prewarm_tiles(&v, tiles, n);
+  const int n = gemv_case_tiles(&a, 4, tpc_0_1_or_8, 1, &tiles); /* gemv_ring_real_cols runs tpc 2 and 3 */
   for (int i = 0; i < n; i++) run_gemv(wfmt, 3, 1025, 1024, tiles[i]);
   free(tiles);
 }
@@ -1054,15 +1061,8 @@ START_TEST(gemv_moe_epilogues) {
   const int64_t rows = epi == 1 ? 640 : 515;
   m3_gemv_args a = {.n = 8, .rows = rows, .cols = 1024, .wfmt = M3_GEMV_E4M3, .moe = 1, .xdiv = epi == 1 ? 4 : 1,
                     .n_experts = 5, .act = epi == 1, .alpha = 1.702f, .limit = 7.0f, .beta = 1.0f, .combine = epi == 2};
-  m3_variant v;
-  m3_err e;
-  ck_assert_int_eq(m3_gemv_key(&a, 1, &v, &e), M3_OK);
   char (*tiles)[256];
-  int n = gpu_valid_tiles(&v, &tiles);
-  ck_assert_int_gt(n, 1);
-  n = select_tiles(tiles, n, epi_tile);
-  ck_assert_int_ge(n, 4);
-  gpu_prewarm_tiles(&v, tiles, n);
+  const int n = gemv_case_tiles(&a, 1, epi_tile, 4, &tiles);
   for (int i = 0; i < n; i++) run_gemv_moe_epi(epi, 5, 2, 4, rows, 1024, tiles[i]);
   free(tiles);
 }
@@ -1070,14 +1070,8 @@ END_TEST
 
 START_TEST(gemv_moe_every_tile) {
   m3_gemv_args a = {.n = 8, .rows = 515, .cols = 1024, .wfmt = M3_GEMV_E4M3, .moe = 1, .xdiv = 4, .n_experts = 5};
-  m3_variant v;
-  m3_err e;
-  ck_assert_int_eq(m3_gemv_key(&a, 1, &v, &e), M3_OK);
   char (*tiles)[256];
-  int n = gpu_valid_tiles(&v, &tiles);
-  ck_assert_int_gt(n, 1);
-  n = select_tiles(tiles, n, tpc_0_1_or_8);
-  gpu_prewarm_tiles(&v, tiles, n);
+  const int n = gemv_case_tiles(&a, 1, tpc_0_1_or_8, 1, &tiles);
   for (int i = 0; i < n; i++) run_gemv_moe(1, 5, 2, 4, 515, 1024, 4, tiles[i], i % 2);
   free(tiles);
 }
