@@ -684,13 +684,16 @@ m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_m
    * more pairs of the routed GEMVs and SwiGLU (below); otherwise it has a
    * SwiGLU launch of its own, n rows. */
   const int64_t ns = decode && Is && Is == I ? n : 0;
-  /* ... and with MXFP8 experts the down GEMV then ends with the combine
-   * (templates/mxfp8.lua combine=1): one launch a layer fewer, TPOT at 8K
-   * 12.63 against 12.75 ms (device run 45, H100).  The gate|up GEMV's SwiGLU
-   * epilogue (act=swiglu) lost 0.16 ms a step in the same run: only with
-   * M3KIT_MOE_FUSE=all.  M3KIT_MOE_FUSE=0 fuses nothing (A/B in the step). */
+  /* ... and with MXFP8 experts, on request (M3KIT_MOE_FUSE), the down GEMV
+   * then ends with the combine (templates/mxfp8.lua combine=1; "combine" or
+   * "all") and the gate|up GEMV with SwiGLU (act=swiglu; "all"): one launch a
+   * layer fewer each.  Off by default: on the H200 the combine epilogue left
+   * TPOT at 8K 0.05 ms higher (device run 47: 10.05-10.09 against
+   * 10.01-10.04 ms), on an H100 0.07-0.12 ms lower (runs 45, 46); the SwiGLU
+   * epilogue cost 0.1-0.16 ms a step on the H100 (its 1920 CTAs' fences). */
   const char *fe = getenv("M3KIT_MOE_FUSE");
-  const int fused = ns && w->e4m3 && !(fe && *fe == '0'), fuse_act = fused && I % 64 == 0 && fe && !strcmp(fe, "all");
+  const int fused = ns && w->e4m3 && fe && (!strcmp(fe, "combine") || !strcmp(fe, "all")),
+            fuse_act = fused && I % 64 == 0 && !strcmp(fe, "all");
   m3_kernel *sw = NULL, *swsh = NULL;
   M3_TRY(m3_swiglu_key(I, a->alpha, a->limit, a->beta, &v, e));
   if (!fuse_act) M3_TRY(kernel_at(rt, &v, P + ns, &sw, e));

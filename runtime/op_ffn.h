@@ -297,10 +297,10 @@ void m3_moe_ws_free(m3_moe_ws *ws);
  * Decode: router GEMV (fp32 weights), route, one MoE GEMV over all chosen
  * experts' gate|up, SwiGLU, one MoE GEMV for down, shared expert GEMVs,
  * combine in pair order; with MXFP8 experts and a shared expert as wide as
- * the routed ones (M3), the down GEMV also writes the combine
- * (m3_launch_gemv_moe_fused: the same values, one launch fewer).  The
- * environment's M3KIT_MOE_FUSE=0 keeps the combine launch; =all also has the
- * gate|up GEMV write SwiGLU(gu) (measured slower: runtime/op_ffn.c).  Prefill: router GEMM (cuBLAS fp32 with m32, else
+ * the routed ones (M3), M3KIT_MOE_FUSE=combine in the environment has the
+ * down GEMV also write the combine, =all also the gate|up GEMV SwiGLU(gu)
+ * (m3_launch_gemv_moe_fused: the same values, a launch fewer each; off by
+ * default: not faster on the H200, runtime/op_ffn.c says what was measured).  Prefill: router GEMM (cuBLAS fp32 with m32, else
  * the GEMV in chunks of 8 tokens), route, stable group, gather, one cuBLAS
  * GEMM per expert on its contiguous rows (MXFP8 experts are dequantised into
  * scratch first), SwiGLU, combine through the inverse permutation; one sync

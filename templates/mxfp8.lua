@@ -39,9 +39,11 @@
 -- e4m3 NaN codes (0x7F/0xFF) in the weight (quantisers saturate; cvt=alu reads
 -- them as +-480, cvt=hw as NaN).
 --
--- Fusions (W8A16 MoE GEMV, the decode step's down projection): a SwiGLU launch
--- and a combine launch cost ~1.5-3 us each in the step's chain of kernels,
--- 57 MoE layers a token.  Both are epilogues on the finished row tiles, so
+-- Fusions (W8A16 MoE GEMV, opt-in: runtime/op_ffn.c M3KIT_MOE_FUSE): the
+-- SwiGLU and combine launches between and after the MoE GEMVs cost ~1.5-3 us
+-- each in the step's chain of kernels, 57 MoE layers a token; in the
+-- epilogues they cost about as much (device runs 45-47: the combine 3 us of
+-- the down GEMV on the H200).  Both are epilogues on the finished row tiles, so
 -- the work is spread over the CTAs and done once (staging SwiGLU(gu) as the
 -- down GEMV's x instead - every CTA computing a whole row of expf - cost 10
 -- us a launch, device run 44).  Each CTA counts its finished tiles in
@@ -206,21 +208,13 @@ end
 
 function T.variants(c)
   local out, seen = {}, {}
-  local function add(op, w, o, cols, moe, fused)
+  local function add(op, w, o, cols, moe)
     if not cols or cols < 1 then return end
-    local id = table.concat({op, w, o, cols, moe, fused or ""}, ",")
+    local id = table.concat({op, w, o, cols, moe}, ",")
     if seen[id] then return end
     seen[id] = true
-    local v = {op = op, w = w, out = o, cols = cols, nmax = 1, moe = moe, act = "none", alpha_e6 = 0, limit_e6 = 0,
-               beta_e6 = 0, combine = 0}
-    if fused == "act" then
-      -- model_dims does not export the SwiGLU constants yet (as swiglu.lua): M3's
-      v.act, v.alpha_e6 = "swiglu", c.swiglu_alpha_e6 or 1702000
-      v.limit_e6, v.beta_e6 = c.swiglu_limit_e6 or 7000000, c.swiglu_beta_e6 or 1000000
-    elseif fused == "combine" then
-      v.combine = 1
-    end
-    out[#out + 1] = v
+    out[#out + 1] = {op = op, w = w, out = o, cols = cols, nmax = 1, moe = moe, act = "none", alpha_e6 = 0,
+                     limit_e6 = 0, beta_e6 = 0, combine = 0}
   end
   local H, O = c.hidden, (c.nq or 0) * (c.hd or 0)
   -- W8A16 decode GEMVs of the MXFP8 checkpoint (batch 1; larger batches
@@ -232,9 +226,8 @@ function T.variants(c)
     add("gemv", "e4m3", "bf16", c.shared_inter, 0)          -- shared expert down
     add("gemv", "e4m3", "bf16", H, 1)                       -- routed experts gate|up
     add("gemv", "e4m3", "bf16", c.inter, 1)                 -- routed experts down
-    -- ... with the combine (decode; act=swiglu, slower in the step, is
-    -- compiled at first use by M3KIT_MOE_FUSE=all only)
-    if c.shared_inter == c.inter then add("gemv", "e4m3", "bf16", c.inter, 1, "combine") end
+    -- (the epilogue keys, act=swiglu and combine=1, are off by default and
+    -- compiled at first use: runtime/op_ffn.c M3KIT_MOE_FUSE)
     add("gemv", "f32", "f32", H, 0)                         -- fp32 router
   end
   add("gemv", "bf16", "f32", H, 0)                          -- lm_head (bf16 in both releases) -> fp32 logits
