@@ -420,9 +420,21 @@ m3_status m3_launch_gemv_moe_fused(const m3_kernel *k, const m3_gemv_args *a, co
   if (a->combine && (n_shared < 1 || a->n % n_shared || !ep->w || !ep->out || !ep->tile_count))
     return m3_errf(e, M3_INVAL, "gemv moe: the combine needs the shared expert's pairs (%" PRId64 ", dividing the %"
                    PRId64 " routed), routing weights, out and the tile counts", n_shared, a->n);
-  if (a->act && (a->rows % 128 || !ep->act || !ep->tile_count))
-    return m3_errf(e, M3_INVAL, "gemv moe: the SwiGLU epilogue needs rows = 2I with I a multiple of 64 (rows %" PRId64
-                   "), act and the tile counts", a->rows);
+  /* act: gate and up tiles must not straddle I, so I is a multiple of the tile's 16 rpw rows */
+  const long tile_rows = 16 * m3_variant_tile_int(&k->key, "rpw", 1);
+  if (a->act && (a->rows % (2 * tile_rows) || !ep->act || !ep->tile_count))
+    return m3_errf(e, M3_INVAL, "gemv moe: the SwiGLU epilogue needs rows = 2I with I a multiple of %ld (rows %" PRId64
+                   "), act and the tile counts", tile_rows, a->rows);
+  if (ep && (ep->act == y || ep->out == y)) return m3_errf(e, M3_INVAL, "gemv moe: the epilogue's output aliases y");
+  if (a->act) { /* the constants the kernel was built with are the caller's (fault 22) */
+    long long al, li, be;
+    M3_TRY(to_e6("alpha", a->alpha, &al, e));
+    M3_TRY(to_e6("limit", a->limit, &li, e));
+    M3_TRY(to_e6("beta", a->beta, &be, e));
+    M3_TRY(want_axis(k, "alpha_e6", (long)al, "gemv moe", e));
+    M3_TRY(want_axis(k, "limit_e6", (long)li, "gemv moe", e));
+    M3_TRY(want_axis(k, "beta_e6", (long)be, "gemv moe", e));
+  }
   if (n_shared < 0 || a->n + n_shared > 65535)
     return m3_errf(e, M3_INVAL, "gemv moe: %" PRId64 " + %" PRId64 " shared pairs > 65535 (grid.y)", a->n, n_shared);
   if (a->xdiv < 1 || a->n_experts < 1) return m3_errf(e, M3_INVAL, "gemv moe: xdiv %d, n_experts %d", a->xdiv, a->n_experts);

@@ -230,8 +230,10 @@ typedef struct m3_gemv_epilogue {
  * ep not NULL, else ep NULL).  A pair with a bad expert id leaves its y rows
  * as they were and the epilogue reads them as they are.  Errors: as
  * m3_launch_gemv_moe_shared; M3_INVAL for an epilogue its shapes do not allow
- * (act: rows not 2I with I a multiple of 64; combine: no shared pairs, or
- * their number not dividing a->n) or missing buffers. */
+ * (act: rows not 2I with I a multiple of the tile's 16 rpw rows - 64 covers
+ * every tile - or SwiGLU constants other than the kernel's; combine: no
+ * shared pairs, or their number not dividing a->n), missing buffers, or an
+ * epilogue output that is y. */
 m3_status m3_launch_gemv_moe_fused(const m3_kernel *k, const m3_gemv_args *a, const void *x,
                                    const void *const *w_tab, const void *const *s_tab, const int32_t *ids,
                                    const void *sw, const void *ss, int64_t n_shared, void *y,

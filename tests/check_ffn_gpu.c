@@ -898,12 +898,13 @@ END_TEST
  * xdiv > 1) or one per token after the P routed rows (down, xdiv == 1). */
 /* epi (shared = 1, e4m3; m3_launch_gemv_moe_fused): 1 = the gate|up launch
  * with act=swiglu (xdiv = K, rows = 2I): act must be m3_ref_swiglu_oai of the
- * y rows the kernel wrote, bit for bit; 2 = the down launch with combine=1
- * (xdiv = 1): out = the combine of the reference rows (m3_ref_moe's loop),
- * rel. L2 <= 1e-2.  The bad id sits in the last token's pairs, whose act rows
- * and out row are left unchecked, and a second launch with good ids over the
- * same tile counts must give every row: the counts came back to zero (also
- * read back). */
+ * y rows the kernel wrote; 2 = the down launch with combine=1 (xdiv = 1): out
+ * must be the combine (m3_ref_moe's loop) of the y rows the kernel wrote; both
+ * bit for bit, y itself against the reference (rel. L2 <= 1e-2).  The bad id
+ * sits in the last token's pairs, whose act rows and out row are left
+ * unchecked; then a second launch with good ids, the outputs poisoned again,
+ * over the same tile counts must give every row: the counts came back to zero
+ * (also read back). */
 static void run_gemv_moe_any(int e4m3, int E, int T, int K, int64_t rows, int64_t cols, int xdiv, const char *tile,
                              int shared, int epi) {
   m3_rng r = rng_for((uint64_t)E * 3 + (uint64_t)rows + (uint64_t)e4m3 + (uint64_t)shared * 17 + (uint64_t)epi);
@@ -978,6 +979,8 @@ static void run_gemv_moe_any(int e4m3, int E, int T, int K, int64_t rows, int64_
     if (pass == 1) { /* every id good now: the same counts must complete every tile again */
       ids[P - 1] = 0;
       GPU_CHECK(m3_dev_upload(d_ids, ids, 4 * (size_t)P, &e_));
+      GPU_CHECK(m3_dev_poison(d_eo, sizeof(m3_bf16) * eo, &e_));
+      GPU_CHECK(m3_dev_poison(d_y, sizeof(m3_bf16) * (size_t)(P + NS) * rows, &e_));
       const m3_bf16 *xp = x + (size_t)((P - 1) / xdiv) * cols;
       ck_assert_int_eq(m3_ref_gemm_w8a16(1, rows, cols, xp, q[0], s[0], yref + (size_t)(P - 1) * rows, &e), M3_OK);
       GPU_CHECK(m3_launch_gemv_moe_fused(k, &a, d_x, d_tab, d_stab, d_ids, h_w[E], h_s[E], NS, d_y, &ep, g_rt.stream,
@@ -985,6 +988,11 @@ static void run_gemv_moe_any(int e4m3, int E, int T, int K, int64_t rows, int64_
       sync_ok();
       free(y);
       y = down(d_y, sizeof(m3_bf16) * (size_t)(P + NS) * rows);
+      for (int p = 0; p < P + NS; p++) { /* every row rewritten, the formerly bad one right */
+        char c2[1500];
+        snprintf(c2, sizeof c2, "%s pair %d (second launch)", ctx, p);
+        expect_rel(c2, y + (size_t)p * rows, yref + (size_t)p * rows, (size_t)rows, 1e-2);
+      }
     }
     m3_bf16 *o = down(d_eo, sizeof(m3_bf16) * eo);
     char c2[1500];
@@ -1001,14 +1009,14 @@ static void run_gemv_moe_any(int e4m3, int E, int T, int K, int64_t rows, int64_
     } else {
       m3_bf16 *oref = malloc(sizeof *oref * (size_t)rows);
       for (int t = 0; t < T - (pass == 0); t++) {
-        for (int64_t i = 0; i < rows; i++) { /* m3_ref_moe's combine loop */
+        for (int64_t i = 0; i < rows; i++) { /* m3_ref_moe's combine loop over the kernel's own y */
           float acc = 0.0f;
-          for (int k2 = 0; k2 < K; k2++) acc += cw[t * K + k2] * m3_bf16_to_f32(yref[(size_t)(t * K + k2) * rows + i]);
-          acc += m3_bf16_to_f32(yref[(size_t)(P + t) * rows + i]);
+          for (int k2 = 0; k2 < K; k2++) acc += cw[t * K + k2] * m3_bf16_to_f32(y[(size_t)(t * K + k2) * rows + i]);
+          acc += m3_bf16_to_f32(y[(size_t)(P + t) * rows + i]);
           oref[i] = m3_f32_to_bf16(acc);
         }
         snprintf(c2, sizeof c2, "%s combine, token %d%s", ctx, t, pass ? " (second launch)" : "");
-        expect_rel(c2, o + (size_t)t * rows, oref, (size_t)rows, 1e-2);
+        expect_same(c2, o + (size_t)t * rows, oref, sizeof *oref * (size_t)rows);
       }
       free(oref);
     }
@@ -1316,6 +1324,28 @@ START_TEST(moe_uses_tuned_record) {
 }
 END_TEST
 
+/* m3_moe_forward's opt-in epilogues (M3KIT_MOE_FUSE): the combine in the
+ * down GEMV, and also SwiGLU in the gate|up GEMV; MXFP8 decode (the only
+ * path that fuses) at 1 and 5 tokens, against m3_ref_moe as the plain path. */
+START_TEST(moe_fused_paths) {
+  static const char *const modes[2] = {"combine", "all"};
+  ck_assert_int_eq(setenv("M3KIT_MOE_FUSE", modes[_i], 1), 0);
+  run_moe(1, 1, 1, 256);
+  run_moe(1, 5, 1, 256);
+  run_moe(1, 3, 1, 128); /* a narrower shared expert: not fused, the plain launches */
+  ck_assert_int_eq(unsetenv("M3KIT_MOE_FUSE"), 0);
+  int comb = 0, act = 0; /* the fused kernels are what ran */
+  for (int i = 0; i < g_rt.n_kernels; i++) {
+    char key[M3_KEY_MAX];
+    m3_variant_print(&g_rt.kernels[i]->key, key, sizeof key);
+    comb |= strstr(key, "combine=1") != NULL;
+    act |= strstr(key, "act=swiglu") != NULL;
+  }
+  ck_assert_msg(comb && act == (_i == 1), "M3KIT_MOE_FUSE=%s: combine kernel %d, SwiGLU epilogue kernel %d", modes[_i],
+                comb, act);
+}
+END_TEST
+
 START_TEST(moe_end_to_end) {
   /* _i < 8: {mxfp8, bf16} x {decode N=1, decode N=5, prefill N=5, prefill N=33};
    * 8, 9: decode N=3 with a narrower shared expert, mxfp8 and bf16 */
@@ -1533,6 +1563,7 @@ static Suite *make(void) {
   tcase_add_loop_test(c[6].tc, cublas_gemm, 0, 4);
   tcase_add_loop_test(c[7].tc, moe_end_to_end, 0, 10);
   tcase_add_test(c[7].tc, moe_uses_tuned_record);
+  tcase_add_loop_test(c[7].tc, moe_fused_paths, 0, 2);
   tcase_add_test(c[8].tc, greedy_matches_reference);
   tcase_add_loop_test(c[8].tc, top_p_matches_reference, 0, 5);
   tcase_add_test(c[8].tc, sample_every_tile);

@@ -157,6 +157,11 @@ def main():
             counts['changed'] += 1
             print('changed: %s (a key axis is gone)' % r['key'])
             continue
+        if key_new != r['key'] and any(o is not r and o['key'] == key_new and o['bucket'] == r['bucket'] and
+                                       o['arch'] == r['arch'] for o in d['records']):
+            counts['changed'] += 1  # a tune with the new build already wrote that record: it stays the one
+            print('changed: %s (a record of the completed key %s exists)' % (r['key'], key_new))
+            continue
         have = tile_dict(r['tile'])
         axes = new[name][1]
         missing = [(a, v) for a, v in axes if a not in have]
