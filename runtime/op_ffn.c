@@ -662,6 +662,18 @@ static m3_status kernel_at(m3_rt *rt, const m3_variant *v, int64_t rows, m3_kern
   return m3_rt_kernel(rt, v, &b, k, e);
 }
 
+m3_status m3_moe_fuse_env(int *combine, int *act, m3_err *e) {
+  const char *v = getenv("M3KIT_MOE_FUSE");
+  *combine = *act = 0;
+  if (!v || !*v || !strcmp(v, "0")) return M3_OK;
+  if (!strcmp(v, "combine") || !strcmp(v, "all")) {
+    *combine = 1;
+    *act = !strcmp(v, "all");
+    return M3_OK;
+  }
+  return m3_errf(e, M3_INVAL, "M3KIT_MOE_FUSE=%s: expected 0, combine or all", v);
+}
+
 m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_moe_weights *w, m3_moe_ws *ws,
                          const void *m, const float *m32, void *out, int32_t *ids, float *wts, int path,
                          m3_err *e) {
@@ -703,9 +715,9 @@ m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_m
    * TPOT at 8K 0.05 ms higher (device run 47: 10.05-10.09 against
    * 10.01-10.04 ms), on an H100 0.07-0.12 ms lower (runs 45, 46); the SwiGLU
    * epilogue cost 0.1-0.16 ms a step on the H100 (its 1920 CTAs' fences). */
-  const char *fe = getenv("M3KIT_MOE_FUSE");
-  const int fused = ns && w->e4m3 && fe && (!strcmp(fe, "combine") || !strcmp(fe, "all")),
-            fuse_act = fused && I % 64 == 0 && !strcmp(fe, "all");
+  int fuse_comb, fuse_sw;
+  M3_TRY(m3_moe_fuse_env(&fuse_comb, &fuse_sw, e));
+  const int fused = ns && w->e4m3 && fuse_comb, fuse_act = fused && I % 64 == 0 && fuse_sw;
   m3_kernel *sw = NULL, *swsh = NULL;
   M3_TRY(m3_swiglu_key(I, a->alpha, a->limit, a->beta, &v, e));
   if (!fuse_act) M3_TRY(kernel_at(rt, &v, P + ns, &sw, e));

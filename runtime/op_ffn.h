@@ -314,6 +314,11 @@ void m3_moe_ws_free(m3_moe_ws *ws);
  * `m3kit tune` records them at.
  * Errors: M3_INVAL (shapes, n > ws->max_tokens), M3_CUDA, M3_CUBLAS,
  * M3_RANGE (a bad expert id, which cannot happen with valid weights). */
+/* The environment's M3KIT_MOE_FUSE: unset, empty or "0" -> *combine = *act
+ * = 0; "combine" -> *combine = 1; "all" -> both 1 (m3_moe_forward's opt-in
+ * epilogues).  Errors: M3_INVAL naming the variable for any other value. */
+m3_status m3_moe_fuse_env(int *combine, int *act, m3_err *e);
+
 m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_moe_weights *w, m3_moe_ws *ws,
                          const void *m, const float *m32, void *out, int32_t *ids, float *wts, int path,
                          m3_err *e);

@@ -1329,20 +1329,27 @@ END_TEST
  * path that fuses) at 1 and 5 tokens, against m3_ref_moe as the plain path. */
 START_TEST(moe_fused_paths) {
   static const char *const modes[2] = {"combine", "all"};
+  m3_err e;
+  int comb, sw;
+  ck_assert_int_eq(setenv("M3KIT_MOE_FUSE", "1", 1), 0); /* not a mode: an error naming the variable, not "off" */
+  ck_assert_int_eq(m3_moe_fuse_env(&comb, &sw, &e), M3_INVAL);
+  ck_assert_msg(strstr(e.msg, "M3KIT_MOE_FUSE=1"), "%s", e.msg);
   ck_assert_int_eq(setenv("M3KIT_MOE_FUSE", modes[_i], 1), 0);
+  ck_assert_int_eq(m3_moe_fuse_env(&comb, &sw, &e), M3_OK);
+  ck_assert(comb && sw == (_i == 1));
   run_moe(1, 1, 1, 256);
   run_moe(1, 5, 1, 256);
   run_moe(1, 3, 1, 128); /* a narrower shared expert: not fused, the plain launches */
   ck_assert_int_eq(unsetenv("M3KIT_MOE_FUSE"), 0);
-  int comb = 0, act = 0; /* the fused kernels are what ran */
+  int ran_comb = 0, ran_act = 0; /* the fused kernels are what ran */
   for (int i = 0; i < g_rt.n_kernels; i++) {
     char key[M3_KEY_MAX];
     m3_variant_print(&g_rt.kernels[i]->key, key, sizeof key);
-    comb |= strstr(key, "combine=1") != NULL;
-    act |= strstr(key, "act=swiglu") != NULL;
+    ran_comb |= strstr(key, "combine=1") != NULL;
+    ran_act |= strstr(key, "act=swiglu") != NULL;
   }
-  ck_assert_msg(comb && act == (_i == 1), "M3KIT_MOE_FUSE=%s: combine kernel %d, SwiGLU epilogue kernel %d", modes[_i],
-                comb, act);
+  ck_assert_msg(ran_comb && ran_act == (_i == 1), "M3KIT_MOE_FUSE=%s: combine kernel %d, SwiGLU epilogue kernel %d",
+                modes[_i], ran_comb, ran_act);
 }
 END_TEST
 
