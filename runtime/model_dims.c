@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "runtime/config.h"
+#include "runtime/op_ffn.h"
 
 void m3_model_dims(const m3_config *c, m3_dims *d) {
   memset(d, 0, sizeof *d);
@@ -39,6 +40,14 @@ void m3_model_dims(const m3_config *c, m3_dims *d) {
   m3_dims_set(d, "swiglu_alpha_e6", (long)(c->swiglu_alpha * 1e6 + 0.5));
   m3_dims_set(d, "swiglu_limit_e6", (long)(c->swiglu_limit * 1e6 + 0.5));
   m3_dims_set(d, "swiglu_beta_e6", (long)(c->swiglu_beta * 1e6 + 0.5));
+  /* The opt-in MoE epilogues the decode step will launch (M3KIT_MOE_FUSE,
+   * runtime/op_ffn.c): their keys join the variant list, so that a cache
+   * warmed by `m3kit gen --all` still serves an M3KIT_NO_JIT=1 run with them.
+   * A bad value counts as none here; m3_moe_forward reports it. */
+  int comb = 0, act = 0;
+  m3_err e;
+  if (m3_moe_fuse_env(&comb, &act, &e) != M3_OK) comb = act = 0;
+  m3_dims_set(d, "moe_fuse", act ? 2 : comb);
 }
 
 m3_status m3_model_dims_for(const char *preset, const char *model_dir, m3_dims *d, m3_err *e) {

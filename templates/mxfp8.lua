@@ -70,12 +70,12 @@ T.axes = {
   {"cols", "int"},                  -- reduction length (in_features)
   {"nmax", {1, 2, 4, 8}},           -- most tokens per launch (accumulators are compile-time)
   {"moe", {0, 1}},                  -- per-pair expert weights through a pointer table
-  -- Fusions of the MoE decode's neighbours into its down GEMV (W8A16):
+  -- Epilogues of the MoE decode GEMVs (W8A16; opt-in, runtime/op_ffn.c M3KIT_MOE_FUSE):
   {"act", {"none", "swiglu"}},      -- swiglu (gate|up): also writes act = SwiGLU-OAI(gate, up) [pairs, rows/2] (§7.3)
   {"alpha_e6", "int"},              -- act=swiglu: its constants x 10^6 in the key (fault 22); 0 with act=none
   {"limit_e6", "int"},
   {"beta_e6", "int"},
-  {"combine", {0, 1}},              -- 1: the last CTA to finish a row tile sums the pairs into out (§12.6)
+  {"combine", {0, 1}},              -- 1 (down): the last CTA to finish a row tile sums the pairs into out (§12.6)
 }
 T.tiles = {
   {"warps", {2, 4, 8, 16}},         -- warps per CTA
@@ -208,13 +208,20 @@ end
 
 function T.variants(c)
   local out, seen = {}, {}
-  local function add(op, w, o, cols, moe)
+  local function add(op, w, o, cols, moe, epi)
     if not cols or cols < 1 then return end
-    local id = table.concat({op, w, o, cols, moe}, ",")
+    local id = table.concat({op, w, o, cols, moe, epi or ""}, ",")
     if seen[id] then return end
     seen[id] = true
-    out[#out + 1] = {op = op, w = w, out = o, cols = cols, nmax = 1, moe = moe, act = "none", alpha_e6 = 0,
-                     limit_e6 = 0, beta_e6 = 0, combine = 0}
+    local v = {op = op, w = w, out = o, cols = cols, nmax = 1, moe = moe, act = "none", alpha_e6 = 0, limit_e6 = 0,
+               beta_e6 = 0, combine = 0}
+    if epi == "act" then
+      v.act, v.alpha_e6 = "swiglu", c.swiglu_alpha_e6 or 1702000
+      v.limit_e6, v.beta_e6 = c.swiglu_limit_e6 or 7000000, c.swiglu_beta_e6 or 1000000
+    elseif epi == "combine" then
+      v.combine = 1
+    end
+    out[#out + 1] = v
   end
   local H, O = c.hidden, (c.nq or 0) * (c.hd or 0)
   -- W8A16 decode GEMVs of the MXFP8 checkpoint (batch 1; larger batches
@@ -226,8 +233,12 @@ function T.variants(c)
     add("gemv", "e4m3", "bf16", c.shared_inter, 0)          -- shared expert down
     add("gemv", "e4m3", "bf16", H, 1)                       -- routed experts gate|up
     add("gemv", "e4m3", "bf16", c.inter, 1)                 -- routed experts down
-    -- (the epilogue keys, act=swiglu and combine=1, are off by default and
-    -- compiled at first use: runtime/op_ffn.c M3KIT_MOE_FUSE)
+    -- The opt-in epilogue launches (runtime/op_ffn.c, M3KIT_MOE_FUSE: the
+    -- dims' moe_fuse): the down GEMV's combine; gate|up's SwiGLU too with 2.
+    if (c.moe_fuse or 0) >= 1 and c.shared_inter == c.inter then
+      add("gemv", "e4m3", "bf16", c.inter, 1, "combine")
+      if c.moe_fuse == 2 and c.inter % 64 == 0 then add("gemv", "e4m3", "bf16", H, 1, "act") end
+    end
     add("gemv", "f32", "f32", H, 0)                         -- fp32 router
   end
   add("gemv", "bf16", "f32", H, 0)                          -- lm_head (bf16 in both releases) -> fp32 logits
