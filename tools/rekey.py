@@ -110,13 +110,21 @@ def machine_code(m3kit, env, full, tmp):
 
 def main():
     args = sys.argv[1:]
+    if '-h' in args or '--help' in args:
+        print(__doc__)
+        return
     m3kit, dry = 'm3kit', '--dry-run' in args
     if dry:
         args.remove('--dry-run')
     if '--m3kit' in args:
-        i = args.index('--m3kit'); m3kit = args[i + 1]; del args[i:i + 2]
+        i = args.index('--m3kit')
+        if i + 1 >= len(args):
+            sys.exit('rekey.py: --m3kit needs the path of an m3kit binary')
+        m3kit = args[i + 1]; del args[i:i + 2]
     if len(args) != 2:
         sys.exit(__doc__)
+    if not os.path.isdir(os.path.join(args[1], '.')) or not any(f.endswith('.lua') for f in os.listdir(args[1])):
+        sys.exit('rekey.py: %s: not a templates directory (the *.lua of templates/ before the edit)' % args[1])
     db_path, old_dir = args
     env_new = {k: v for k, v in os.environ.items() if k != 'M3KIT_TEMPLATE_DIR'}
     env_old = dict(env_new, M3KIT_TEMPLATE_DIR=os.path.abspath(old_dir))
@@ -214,4 +222,9 @@ def main():
 
 
 if __name__ == '__main__':
-    main()
+    try:
+        main()
+    except FileNotFoundError as ex:  # most often: no m3kit on PATH
+        sys.exit('rekey.py: %s (give the binary with --m3kit PATH)' % ex if 'm3kit' in str(ex) else 'rekey.py: %s' % ex)
+    except RuntimeError as ex:
+        sys.exit('rekey.py: %s' % ex)
