@@ -206,7 +206,23 @@ int cmd_gen(int argc, char **argv) {
       char deft[512] = "";
       m3_err de;
       if (m3_render_default_tile(j.lua, &dv, &de) == M3_OK) m3_variant_print_tile(&dv, deft, sizeof deft);
-      int nvalid = 0;
+      /* A key no tile of which is valid for one and the same reason is wrong
+       * in itself: say that once (and fail), not once a tile. */
+      int nvalid = 0, same = 1;
+      char first[512] = "";
+      for (int i = 0; i < n && same; i++) {
+        char why[512];
+        m3_err ve;
+        if (m3_render_valid(j.lua, &tiles[i], why, sizeof why, &ve) == M3_OK) nvalid++, same = 0;
+        else if (!i) snprintf(first, sizeof first, "%s", why);
+        else same = !strcmp(first, why);
+      }
+      if (n && !nvalid && same) {
+        fprintf(stderr, "m3kit gen: %s: no tile of its %d is valid on %s: %s\n", key, n, v.arch, first);
+        rc = 1;
+        n = 0;
+      }
+      nvalid = 0;
       for (int i = 0; i < n; i++) {
         char t[512], why[512];
         m3_variant_print_tile(&tiles[i], t, sizeof t);
@@ -216,7 +232,11 @@ int cmd_gen(int argc, char **argv) {
         printf("  [%s]  %s%s%s%s\n", t, s == M3_OK ? "VALID" : "INVALID", s == M3_OK ? "" : ": ", s == M3_OK ? "" : why,
                strcmp(t, deft) ? "" : "  (default)");
       }
-      printf("%d of %d tiles valid for %s\n", nvalid, n, v.arch);
+      if (n) printf("%d of %d tiles valid for %s\n", nvalid, n, v.arch);
+      if (n && !nvalid) {
+        fprintf(stderr, "m3kit gen: %s: no valid tile on %s\n", key, v.arch);
+        rc = 1;
+      }
       free(tiles);
     }
   } else { /* --list / --all */
