@@ -295,13 +295,18 @@ m3_status m3_launch_mxfp8_dequant(const m3_kernel *k, int64_t rows, int64_t cols
 
 static const char *wname(int wfmt) { return wfmt == M3_GEMV_E4M3 ? "e4m3" : wfmt == M3_GEMV_BF16 ? "bf16" : "f32"; }
 
+/* The SwiGLU epilogue's constants as the key carries them (0 without act). */
+static m3_status act_e6(const m3_gemv_args *a, long long *al, long long *li, long long *be, m3_err *e) {
+  *al = *li = *be = 0;
+  if (!a->act) return M3_OK;
+  M3_TRY(to_e6("alpha", a->alpha, al, e));
+  M3_TRY(to_e6("limit", a->limit, li, e));
+  return to_e6("beta", a->beta, be, e);
+}
+
 m3_status m3_gemv_key(const m3_gemv_args *a, int nmax, m3_variant *v, m3_err *e) {
-  long long al = 0, li = 0, be = 0;
-  if (a->act) {
-    M3_TRY(to_e6("alpha", a->alpha, &al, e));
-    M3_TRY(to_e6("limit", a->limit, &li, e));
-    M3_TRY(to_e6("beta", a->beta, &be, e));
-  }
+  long long al, li, be;
+  M3_TRY(act_e6(a, &al, &li, &be, e));
   char k[M3_KEY_MAX];
   snprintf(k, sizeof k,
            "mxfp8(op=gemv,w=%s,out=%s,cols=%" PRId64 ",nmax=%d,moe=%d,act=%s,alpha_e6=%lld,limit_e6=%lld,beta_e6=%lld,"
@@ -428,9 +433,7 @@ m3_status m3_launch_gemv_moe_fused(const m3_kernel *k, const m3_gemv_args *a, co
   if (ep && (ep->act == y || ep->out == y)) return m3_errf(e, M3_INVAL, "gemv moe: the epilogue's output aliases y");
   if (a->act) { /* the constants the kernel was built with are the caller's (fault 22) */
     long long al, li, be;
-    M3_TRY(to_e6("alpha", a->alpha, &al, e));
-    M3_TRY(to_e6("limit", a->limit, &li, e));
-    M3_TRY(to_e6("beta", a->beta, &be, e));
+    M3_TRY(act_e6(a, &al, &li, &be, e));
     M3_TRY(want_axis(k, "alpha_e6", (long)al, "gemv moe", e));
     M3_TRY(want_axis(k, "limit_e6", (long)li, "gemv moe", e));
     M3_TRY(want_axis(k, "beta_e6", (long)be, "gemv moe", e));
@@ -609,6 +612,7 @@ m3_status m3_moe_ws_alloc(m3_moe_ws *ws, const m3_moe_args *a, const m3_moe_weig
                           m3_err *e) {
   memset(ws, 0, sizeof *ws);
   M3_TRY(moe_shape_check(a, w, e));
+  M3_TRY(m3_moe_fuse_env(&ws->fuse_combine, &ws->fuse_act, e)); /* once, not at every layer's call */
   if (max_tokens < 1) return m3_errf(e, M3_INVAL, "moe workspace: max_tokens %" PRId64, max_tokens);
   moe_bufs b;
   ws->bytes = carve(&b, NULL, a, w, max_tokens);
@@ -715,9 +719,7 @@ m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_m
    * TPOT at 8K 0.05 ms higher (device run 47: 10.05-10.09 against
    * 10.01-10.04 ms), on an H100 0.07-0.12 ms lower (runs 45, 46); the SwiGLU
    * epilogue cost 0.1-0.16 ms a step on the H100 (its 1920 CTAs' fences). */
-  int fuse_comb, fuse_sw;
-  M3_TRY(m3_moe_fuse_env(&fuse_comb, &fuse_sw, e));
-  const int fused = ns && w->e4m3 && fuse_comb, fuse_act = fused && I % 64 == 0 && fuse_sw;
+  const int fused = ns && w->e4m3 && ws->fuse_combine, fuse_act = fused && I % 64 == 0 && ws->fuse_act;
   m3_kernel *sw = NULL, *swsh = NULL;
   M3_TRY(m3_swiglu_key(I, a->alpha, a->limit, a->beta, &v, e));
   if (!fuse_act) M3_TRY(kernel_at(rt, &v, P + ns, &sw, e));

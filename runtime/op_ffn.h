@@ -284,9 +284,10 @@ typedef struct m3_moe_ws {
   int64_t max_tokens;
   void *mem;
   size_t bytes;
+  int fuse_combine, fuse_act; /* M3KIT_MOE_FUSE when allocated (m3_moe_fuse_env) */
 } m3_moe_ws;
 
-/* Errors: M3_INVAL, M3_CUDA (allocation). */
+/* Errors: M3_INVAL (also a bad M3KIT_MOE_FUSE), M3_CUDA (allocation). */
 m3_status m3_moe_ws_alloc(m3_moe_ws *ws, const m3_moe_args *a, const m3_moe_weights *w, int64_t max_tokens,
                           m3_err *e);
 void m3_moe_ws_free(m3_moe_ws *ws);
@@ -299,10 +300,11 @@ void m3_moe_ws_free(m3_moe_ws *ws);
  * Decode: router GEMV (fp32 weights), route, one MoE GEMV over all chosen
  * experts' gate|up, SwiGLU, one MoE GEMV for down, shared expert GEMVs,
  * combine in pair order; with MXFP8 experts and a shared expert as wide as
- * the routed ones (M3), M3KIT_MOE_FUSE=combine in the environment has the
- * down GEMV also write the combine, =all also the gate|up GEMV SwiGLU(gu)
- * (m3_launch_gemv_moe_fused: the same values, a launch fewer each; off by
- * default: not faster on the H200, runtime/op_ffn.c says what was measured).  Prefill: router GEMM (cuBLAS fp32 with m32, else
+ * the routed ones (M3), M3KIT_MOE_FUSE=combine (the environment's when ws was
+ * allocated) has the down GEMV also write the combine, =all also the gate|up
+ * GEMV SwiGLU(gu) (m3_launch_gemv_moe_fused: the same values, a launch fewer
+ * each; off by default: not faster on the H200, runtime/op_ffn.c says what was
+ * measured).  Prefill: router GEMM (cuBLAS fp32 with m32, else
  * the GEMV in chunks of 8 tokens), route, stable group, gather, one cuBLAS
  * GEMM per expert on its contiguous rows (MXFP8 experts are dequantised into
  * scratch first), SwiGLU, combine through the inverse permutation; one sync
