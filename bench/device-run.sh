@@ -1,7 +1,7 @@
 #!/bin/sh
 # device-run.sh - everything one H200 session should measure, in one call:
 #   ./bench/pack-device.sh here, then on the device (carry [".dev"]):
-#   cd .dev && sh device-run.sh [tests] [sanitize] [tune] [tune2] [bench] [bench-insert] [run] [ncu] [torch] [run1m] [tpot] [ab] [tp] [all]
+#   cd .dev && sh device-run.sh [tests] [sanitize] [ablate] [tune] [tune2] [bench] [bench-insert] [run] [ncu] [torch] [run1m] [tpot] [ab] [tp] [all]
 # Correctness work (tests, sanitizers) runs concurrently: it only needs
 # answers, and a device call is limited to 10 minutes.  Timed work (tune,
 # bench, run, tpot) runs alone, one after the other.  Every log is packed
@@ -78,6 +78,16 @@ fi
 [ -n "$pids" ] && wait $pids
 log "correctness phase done at $(elapsed) s"
 
+if has ablate && [ -f ./indexer_ablate.sh ] && [ -d ./templates ]; then
+  # Where the decode indexer's time goes: each case's tile with one stage cut
+  # out, and the merge/lead variants (indexer_ablate.sh; ABLATE_ROUNDS,
+  # ABLATE_CASES, ABLATE_VARIANTS narrow it).  Its own cubin cache and no
+  # tuning DB, so nothing it builds reaches the later steps.
+  CASES=${ABLATE_CASES:-} VARIANTS=${ABLATE_VARIANTS:-} timeout "${T_ABLATE:-240}" sh ./indexer_ablate.sh \
+    --rounds "${ABLATE_ROUNDS:-1}" --out "$OUT/ablate" --m3kit ./m3kit --templates ./templates > "$L/ablate.log" 2>&1
+  log "ablate rc=$? at $(elapsed) s"
+  cp "$OUT/ablate/ablate.tsv" "$L/" 2>/dev/null
+fi
 if has tune; then
   # Twice, the second from an empty tuning DB over the same cubins: how
   # often the two runs choose the same winner is the tuner's stability.

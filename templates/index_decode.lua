@@ -37,7 +37,14 @@
 -- writes the answer directly.  Latency outside the stream: three dependent
 -- loads before it (token/position, block table, keys) and three after it
 -- (counter, split maxima, survivors' lists); tile lead=1 moves the first two
--- and an L2 prefetch of the first keys ahead of the grid wait (lib/lead.lua).
+-- and an L2 prefetch of the first keys ahead of the grid wait (lib/lead.lua),
+-- lead=2 also requests the first keys before the query.  The merge is most
+-- of what a launch costs beyond its stream (2.9-4.9 us of it on an H100 at
+-- 8K to 1M, device run 48's ablation): tile merge=acqrel hands over with one
+-- acq_rel atomic instead of seq_cst fences, takes one-block splits' candidates
+-- straight from their heads (no list fetch), compacts candidates by ballot
+-- and ranks the usual few by shuffles; merge=fence is the older code, kept
+-- byte for byte so the tuning records that timed it stay valid.
 local P = m3.include("lib/prelude")
 local I = m3.include("lib/indexer")
 local LEAD = m3.include("lib/lead")
@@ -55,7 +62,10 @@ T.tiles = {
   {"waves", {1, 2}},            -- split rule: CTAs = waves x resident CTAs per SM x SMs
   {"chunk", {8, 16, 32}},       -- most blocks per split (bounds a CTA's duration)
   {"cvt", {"alu", "hw"}},       -- e4m3 -> fp16: bit moves, or cvt.rn.f16x2.e4m3x2
-  {"lead", {0, 1}},             -- 1: metadata, block table and an L2 prefetch of the first keys before the grid wait
+  {"lead", {0, 1, 2}},          -- 1: metadata, block table and an L2 prefetch of the first keys before the grid wait;
+                                --   2: as 1, and the first keys are requested before the query, in one round trip
+  {"merge", {"fence", "acqrel"}}, -- how a split hands over: __threadfence x2 + atomicAdd, or one acq_rel atomic
+                                --   (and, with one block a split, the merge takes its candidates from the split heads)
 }
 
 function T.valid(k, t, arch)
@@ -70,12 +80,12 @@ function T.valid(k, t, arch)
   if k.init < 0 or k["local"] < 0 then return false, "init and local block counts must be >= 0" end
   if t.cvt == "hw" and k.idxk ~= "e4m3" then return false, "cvt=hw converts e4m3 only: bf16 keys need no conversion (cvt=alu)" end
   if t.cvt == "hw" and sm < 89 then return false, "cvt.rn.f16x2.e4m3x2 needs sm_89+" end
-  if t.lead == 1 and sm < 90 then return false, "lead=1 overlaps the previous kernel through programmatic dependent launch (sm_90+)" end
+  if t.lead >= 1 and sm < 90 then return false, "lead=" .. t.lead .. " overlaps the previous kernel through programmatic dependent launch (sm_90+)" end
   return true
 end
 
 function T.default_tile(k, arch)
-  return {warps = 4, depth = k.idxk == "e4m3" and 4 or 2, waves = 1, chunk = 16, cvt = "alu", lead = 0}
+  return {warps = 4, depth = k.idxk == "e4m3" and 4 or 2, waves = 1, chunk = 16, cvt = "alu", lead = 0, merge = "fence"}
 end
 
 function T.variants(c)
@@ -234,66 +244,7 @@ $sym(const unsigned char *__restrict__ iq,     /* [n_tokens, H, HD] bf16 | e4m3,
      u64 *__restrict__ heads,                  /* [n_tokens, H, max_splits] */
      u64 *__restrict__ lists,                  /* [n_tokens, max_splits, H, TOPK] */
      int n_tokens, int max_splits, int bpc, int max_blocks) {
-$prologue  for (int i = tid; i < H * MAXB; i += NW * 32) (&s_bmax[0][0])[i] = 0u;
-  const unsigned char *iq_row = iq + (i64)t * H * ROWB;
-  for (int i = tid; i < H * HD; i += NW * 32) {
-#if E4M3
-    s_q[i] = e4m3_to_f32(iq_row[i]);
-#else
-    s_q[i] = bf16_to_f32(((const bf16_t *)iq_row)[i]);
-#endif
-  }
-  qfrag qf;
-  unsigned qnf = 0;
-  load_q(qf, iq_row, g, tq, qnf);
-  const int qbad = __any_sync(FULL, (qnf & NF_MASK) != 0u);
-  __syncthreads();
-
-  /* ---- score: this warp's contiguous range of 16-token groups ---- */
-  {
-    const int U = n_c * GPB;
-    const int u0 = (int)(((i64)w * U) / NW), u1 = (int)(((i64)(w + 1) * U) / NW);
-    uint4 buf[DEPTH][CH];
-    auto load = [&](uint4 (&v)[CH], int u) {
-      const int bl = u / GPB, grp = u - bl * GPB, page = s_page[bl];
-      if (page < 0) {
-#pragma unroll
-        for (int j = 0; j < CH; j++) v[j] = make_uint4(0u, 0u, 0u, 0u);
-        return;
-      }
-      const unsigned char *p0 = cache + ((i64)page * BS + grp * 16 + g) * (i64)ROWB + 16 * tq;
-#pragma unroll
-      for (int j = 0; j < CPR; j++) {
-        v[j] = ld_stream16(p0 + 64 * j);
-        v[CPR + j] = ld_stream16(p0 + 8 * ROWB + 64 * j);
-      }
-    };
-    float m0 = f_ninf(), m1 = f_ninf();
-    unsigned bad = 0;
-    int cur = -1, pstart = u0, nslow = 0;
-    auto flush = [&](int bl, int ua, int ub) {
-#pragma unroll
-      for (int o = 4; o < 32; o <<= 1) {
-        m0 = fmax_nan(m0, __shfl_xor_sync(FULL, m0, o));
-        m1 = fmax_nan(m1, __shfl_xor_sync(FULL, m1, o));
-      }
-      const int anybad = __any_sync(FULL, bad != 0u);
-      const int slow = qbad | anybad;
-      const int bg = c0 + bl, idx = bg - b0, page = s_page[bl];
-      if (page < 0) { /* a block-table entry outside the cache: poisoned, never chosen ahead of a finite block */
-        if (lane < H) atomicMax(&s_bmax[lane][idx], POISON);
-      } else if (slow) { /* after the loop: a call here would cost the loop its registers */
-        if (lane == 0) s_slow[w][nslow] = (bl << 16) | ((ua - bl * GPB) << 8) | (ub - bl * GPB);
-        nslow++;
-      } else if (lane < 4) {
-        if (2 * lane < H) atomicMax(&s_bmax[2 * lane][idx], mono32(m0));
-        if (2 * lane + 1 < H) atomicMax(&s_bmax[2 * lane + 1][idx], mono32(m1));
-      }
-    };
-#pragma unroll
-    for (int d = 0; d < DEPTH; d++)
-      if (u0 + d < u1) load(buf[d], u0 + d);
-    for (int base = u0; base < u1; base += DEPTH) {
+$prologue$opening    for (int base = u0; base < u1; base += DEPTH) {
 #pragma unroll
       for (int d = 0; d < DEPTH; d++) {
         const int u = base + d;
@@ -362,13 +313,7 @@ $prologue  for (int i = tid; i < H * MAXB; i += NW * 32) (&s_bmax[0][0])[i] = 0u
   if (n_splits == 1) return;
 
   /* ---- the last split of the token to finish merges ---- */
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) s_last = atomicAdd(&counters[t], 1u) == (unsigned)(n_splits - 1);
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  for (int h = w; h < H; h += NW) {
+$publish  for (int h = w; h < H; h += NW) {
     const u64 *hp = heads + ((i64)t * H + h) * max_splits;
     const u64 *lp0 = lists + ((i64)t * max_splits * H + h) * TOPK; /* split s at lp0 + s * H * TOPK */
     u64 hr[RH], mx = 0ull;
@@ -383,7 +328,7 @@ $prologue  for (int i = tid; i < H * MAXB; i += NW * 32) (&s_bmax[0][0])[i] = 0u
       mx = x > mx ? x : mx;
     }
     const u64 thr = warp_kth_largest(mx, TOPK);
-    /* The splits whose best key reaches the threshold, compacted into shared
+$h1_open    /* The splits whose best key reaches the threshold, compacted into shared
      * memory by ballot, so that all their lists are then fetched in one
      * round trip (a conditional fetch per register would be RH dependent
      * round trips: ncu on the H200 found the SMs idle for 73% of a 128K launch,
@@ -407,9 +352,7 @@ $prologue  for (int i = tid; i < H * MAXB; i += NW * 32) (&s_bmax[0][0])[i] = 0u
       if (p && at < SVCAP) s_sv[w][at] = s2;
       nsv += __popc(m);
     }
-    if (lane == 0) s_cnt[w] = nsv > SVCAP ? CAP + 1 : 0; /* too many survivors: the exact path below */
-    __syncwarp();
-    if (nsv <= SVCAP) {
+$count_init    if (nsv <= SVCAP) {
       const int nk = nsv * TOPK;
       for (int b2 = 0; b2 < nk; b2 += 32 * MG) {
         u64 x[MG];
@@ -418,19 +361,12 @@ $prologue  for (int i = tid; i < H * MAXB; i += NW * 32) (&s_bmax[0][0])[i] = 0u
           const int i = b2 + 32 * j + lane;
           x[j] = i < nk ? ldcg64(lp0 + (i64)s_sv[w][i / TOPK] * H * TOPK + i % TOPK) : 0ull;
         }
-#pragma unroll
-        for (int j = 0; j < MG; j++)
-          if (x[j] != 0ull && x[j] >= thr) {
-            const int at = atomicAdd(&s_cnt[w], 1);
-            if (at < CAP) s_keys[w][at] = x[j];
-          }
-      }
+$push      }
     }
-    __syncwarp();
+$count_done$h1_close    __syncwarp();
     const int n = s_cnt[w];
     if (n <= CAP) {
-      warp_rank_top(s_keys[w], n, TOPK, s_out[w]);
-    } else { /* degenerate (mass ties): exact selection, one rank per pass */
+$rank    } else { /* degenerate (mass ties): exact selection, one rank per pass */
       u64 prev = ~0ull;
       for (int r = 0; r < TOPK; r++) {
         u64 best = 0ull;
@@ -451,6 +387,209 @@ $prologue  for (int i = tid; i < H * MAXB; i += NW * 32) (&s_bmax[0][0])[i] = 0u
   if (tid == 0) counters[t] = 0u; /* ready for the next launch */
 }
 ]]
+
+-- The score loop's opening.  lead 0 and 1: the query, a barrier, then the
+-- first DEPTH groups of keys, two round trips after the grid wait.  lead 2
+-- requests those keys first and reads the query while they are in flight:
+-- one round trip (the keys are in L2 by then, prefetched before the wait).
+local OPEN = {
+  Q = [[
+  for (int i = tid; i < H * MAXB; i += NW * 32) (&s_bmax[0][0])[i] = 0u;
+  const unsigned char *iq_row = iq + (i64)t * H * ROWB;
+  for (int i = tid; i < H * HD; i += NW * 32) {
+#if E4M3
+    s_q[i] = e4m3_to_f32(iq_row[i]);
+#else
+    s_q[i] = bf16_to_f32(((const bf16_t *)iq_row)[i]);
+#endif
+  }
+  qfrag qf;
+  unsigned qnf = 0;
+  load_q(qf, iq_row, g, tq, qnf);
+  const int qbad = __any_sync(FULL, (qnf & NF_MASK) != 0u);
+  __syncthreads();
+]],
+  S_OPEN = [[
+
+  /* ---- score: this warp's contiguous range of 16-token groups ---- */
+  {
+    const int U = n_c * GPB;
+    const int u0 = (int)(((i64)w * U) / NW), u1 = (int)(((i64)(w + 1) * U) / NW);
+    uint4 buf[DEPTH][CH];
+    auto load = [&](uint4 (&v)[CH], int u) {
+      const int bl = u / GPB, grp = u - bl * GPB, page = s_page[bl];
+      if (page < 0) {
+#pragma unroll
+        for (int j = 0; j < CH; j++) v[j] = make_uint4(0u, 0u, 0u, 0u);
+        return;
+      }
+      const unsigned char *p0 = cache + ((i64)page * BS + grp * 16 + g) * (i64)ROWB + 16 * tq;
+#pragma unroll
+      for (int j = 0; j < CPR; j++) {
+        v[j] = ld_stream16(p0 + 64 * j);
+        v[CPR + j] = ld_stream16(p0 + 8 * ROWB + 64 * j);
+      }
+    };
+]],
+  S_FLUSH = [[
+    float m0 = f_ninf(), m1 = f_ninf();
+    unsigned bad = 0;
+    int cur = -1, pstart = u0, nslow = 0;
+    auto flush = [&](int bl, int ua, int ub) {
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) {
+        m0 = fmax_nan(m0, __shfl_xor_sync(FULL, m0, o));
+        m1 = fmax_nan(m1, __shfl_xor_sync(FULL, m1, o));
+      }
+      const int anybad = __any_sync(FULL, bad != 0u);
+      const int slow = qbad | anybad;
+      const int bg = c0 + bl, idx = bg - b0, page = s_page[bl];
+      if (page < 0) { /* a block-table entry outside the cache: poisoned, never chosen ahead of a finite block */
+        if (lane < H) atomicMax(&s_bmax[lane][idx], POISON);
+      } else if (slow) { /* after the loop: a call here would cost the loop its registers */
+        if (lane == 0) s_slow[w][nslow] = (bl << 16) | ((ua - bl * GPB) << 8) | (ub - bl * GPB);
+        nslow++;
+      } else if (lane < 4) {
+        if (2 * lane < H) atomicMax(&s_bmax[2 * lane][idx], mono32(m0));
+        if (2 * lane + 1 < H) atomicMax(&s_bmax[2 * lane + 1][idx], mono32(m1));
+      }
+    };
+]],
+  S_PRE = [[
+#pragma unroll
+    for (int d = 0; d < DEPTH; d++)
+      if (u0 + d < u1) load(buf[d], u0 + d);
+]],
+}
+
+-- How a split hands over to the merge (tile merge).  fence: every thread
+-- fences (seq_cst, gpu scope) before thread 0's atomicAdd, and the last CTA
+-- fences again before it reads.  acqrel: one atom.acq_rel.gpu by thread 0
+-- between two barriers - its release covers the other warps' stores, which
+-- the barrier ordered before it, and its acquire the other warps' reads, as
+-- in CUTLASS's semaphore - so no seq_cst fence is on the path.  With one
+-- block a split (bpc 1) a split's list is its head, so the acqrel merge
+-- takes the candidates from the heads it already holds in registers instead
+-- of fetching the survivors' lists: one round trip less.
+local MERGE = {
+  fence = {publish = [[
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) s_last = atomicAdd(&counters[t], 1u) == (unsigned)(n_splits - 1);
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+]], defs = "", h1_open = "", h1_close = "", count_done = "",
+    count_init = [[
+    if (lane == 0) s_cnt[w] = nsv > SVCAP ? CAP + 1 : 0; /* too many survivors: the exact path below */
+    __syncwarp();
+]],
+    push = [[
+#pragma unroll
+        for (int j = 0; j < MG; j++)
+          if (x[j] != 0ull && x[j] >= thr) {
+            const int at = atomicAdd(&s_cnt[w], 1);
+            if (at < CAP) s_keys[w][at] = x[j];
+          }
+]],
+    rank = [[
+      warp_rank_top(s_keys[w], n, TOPK, s_out[w]);
+]]},
+  acqrel = {
+    publish = [[
+  __syncthreads(); /* every warp's list and head stores come before thread 0's release */
+  if (tid == 0) s_last = atom_add_acq_rel(&counters[t], 1u) == (unsigned)(n_splits - 1);
+  __syncthreads(); /* and thread 0's acquire before every warp's reads of the other splits' */
+  if (!s_last) return;
+]],
+    defs = [[
+/* atomicAdd with release (earlier stores, the barrier's included, are seen
+ * first) and acquire (later loads see what the releases published). */
+M3_DEV unsigned atom_add_acq_rel(unsigned *p, unsigned v) {
+#ifdef __CUDA_ARCH__
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+#else
+  return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL);
+#endif
+}
+/* warp_rank_top for the usual few candidates: with n <= 64 each lane holds
+ * up to two and counts the larger ones over shuffles (independent, so they
+ * pipeline) instead of n dependent-latency reads of shared memory a lane. */
+M3_DEV void warp_rank_top_shfl(const u64 *cand, int n, int K, int *out_s) {
+  if (n > 64) {
+    warp_rank_top(cand, n, K, out_s);
+    return;
+  }
+  const int lane = threadIdx.x & 31;
+  if (lane < K) out_s[lane] = -1;
+  const u64 a = lane < n ? cand[lane] : 0ull, b = lane + 32 < n ? cand[lane + 32] : 0ull;
+  int ra = 0, rb = 0;
+  if (n <= 32) {
+#pragma unroll 8
+    for (int j = 0; j < 32; j++) ra += __shfl_sync(FULL, a, j) > a;
+  } else {
+#pragma unroll 8
+    for (int j = 0; j < 32; j++) {
+      const u64 x = __shfl_sync(FULL, a, j), y = __shfl_sync(FULL, b, j);
+      ra += (x > a) + (y > a), rb += (x > b) + (y > b);
+    }
+  }
+  __syncwarp();
+  if (a != 0ull && ra < K) out_s[ra] = key_id(a);
+  if (b != 0ull && rb < K) out_s[rb] = key_id(b);
+  __syncwarp();
+}
+]],
+    h1_open = [[
+    if (bpc == 1) { /* each split's list is its head: the candidates are hr[] and the heads past it */
+      const unsigned lt1 = (1u << lane) - 1u;
+      int nc = 0;
+#pragma unroll
+      for (int r = 0; r < RH; r++) {
+        const int p = hr[r] != 0ull && hr[r] >= thr;
+        const unsigned m = __ballot_sync(FULL, p);
+        const int at = nc + __popc(m & lt1);
+        if (p && at < CAP) s_keys[w][at] = hr[r];
+        nc += __popc(m);
+      }
+      for (int b2 = 32 * RH; b2 < n_splits; b2 += 32) {
+        const int s2 = b2 + lane;
+        const u64 x = s2 < n_splits ? ldcg64(hp + s2) : 0ull;
+        const int p = x != 0ull && x >= thr;
+        const unsigned m = __ballot_sync(FULL, p);
+        const int at = nc + __popc(m & lt1);
+        if (p && at < CAP) s_keys[w][at] = x;
+        nc += __popc(m);
+      }
+      if (lane == 0) s_cnt[w] = nc;
+    } else {
+]],
+    count_init = [[
+    int nc = nsv > SVCAP ? CAP + 1 : 0; /* too many survivors: the exact path below */
+]],
+    push = [[
+#pragma unroll
+        for (int j = 0; j < MG; j++) { /* compacted by ballot, not by atomics on one shared counter */
+          const int p = x[j] != 0ull && x[j] >= thr;
+          const unsigned m = __ballot_sync(FULL, p);
+          const int at = nc + __popc(m & lt);
+          if (p && at < CAP) s_keys[w][at] = x[j];
+          nc += __popc(m);
+        }
+]],
+    count_done = [[
+    if (lane == 0) s_cnt[w] = nc;
+]],
+    rank = [[
+      warp_rank_top_shfl(s_keys[w], n, TOPK, s_out[w]);
+]],
+    h1_close = [[
+    }
+]],
+  },
+}
 
 -- The kernel's opening, in pieces: lead=0 keeps the order the tuning records
 -- before the lead axis timed, byte for byte; lead=1 moves what needs no
@@ -550,10 +689,15 @@ end
 
 function T.render(k, t, arch, sym)
   local e4 = k.idxk == "e4m3"
+  local M = MERGE[t.merge]
   local v = {
     heads = k.heads, bs = k.bs, topk = k.topk, init = k.init, ["local"] = k["local"],
     e4m3 = e4 and 1 or 0, warps = t.warps, depth = t.depth, sym = sym,
-    prologue = prologue(t.lead), lead_defs = t.lead == 1 and LEAD.defs or "",
+    prologue = prologue(t.lead), lead_defs = (t.lead >= 1 and LEAD.defs or "") .. M.defs,
+    opening = t.lead == 2 and OPEN.S_OPEN .. OPEN.S_PRE .. OPEN.Q .. OPEN.S_FLUSH
+                           or OPEN.Q .. OPEN.S_OPEN .. OPEN.S_FLUSH .. OPEN.S_PRE,
+    publish = M.publish, h1_open = M.h1_open, h1_close = M.h1_close, count_init = M.count_init,
+    push = M.push, count_done = M.count_done, rank = M.rank,
   }
   local src = body:gsub("%$([%w_]+)", function(n)
     if v[n] == nil then error("index_decode: no value for $" .. n) end

@@ -389,10 +389,15 @@ START_TEST(decode_many_splits) {
   int ql[] = {1, 1, 2, 1};
   popts o = {.e4m3 = _i & 1, .local = 1, .salt = 15};
   prob p = make_prob(lens, ql, 4, o);
-  static const char *tiles[] = {"warps=4,depth=2,waves=1,chunk=8,cvt=alu,lead=0",
-                                "warps=8,depth=2,waves=2,chunk=32,cvt=alu,lead=1"};
+  /* g_plan_sms 1000: one block a split (bpc 1) and more splits than the
+   * merge holds in registers (RH x 32), so merge=acqrel takes its candidates
+   * from the heads, both those in registers and those past them. */
+  static const char *tiles[] = {"warps=4,depth=2,waves=1,chunk=8,cvt=alu,lead=0,merge=fence",
+                                "warps=8,depth=2,waves=2,chunk=32,cvt=alu,lead=1,merge=fence",
+                                "warps=4,depth=2,waves=1,chunk=8,cvt=alu,lead=0,merge=acqrel",
+                                "warps=8,depth=2,waves=1,chunk=16,cvt=alu,lead=2,merge=acqrel"};
   g_plan_sms = (_i >> 1) ? 1 : 1000;
-  for (int i = 0; i < 2; i++) free(check_decode(&p, tiles[i], 0));
+  for (int i = 0; i < 4; i++) free(check_decode(&p, tiles[i], 0));
   g_plan_sms = 0;
   free_prob(&p);
 }
@@ -407,6 +412,40 @@ START_TEST(decode_exact_ties) {
   else o.pool = 1;
   prob p = make_prob(lens, NULL, 3, o);
   free(check_decode(&p, NULL, 1));
+  /* The same ties through the acqrel merge's heads-only path (bpc 1). */
+  g_plan_sms = 1000;
+  free(check_decode(&p, "warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=0,merge=acqrel", 1));
+  g_plan_sms = 0;
+  free_prob(&p);
+}
+END_TEST
+
+/* merge=acqrel ranks its candidates by shuffles up to 64 of them and in
+ * shared memory past that; with every block tied (one physical page behind
+ * all of them) the candidate count follows the blocks a split: about 17, 31,
+ * 61 and 128 at bpc 1, 2, 4 and 16 (128 blocks), so each path is taken and
+ * the answer must be the reference's exactly (the lowest block ids). */
+START_TEST(decode_acqrel_candidates) {
+  int64_t lens[] = {16384};
+  int ql[] = {2};
+  popts o = {.e4m3 = _i & 1, .local = 1, .salt = 21, .pool = 1};
+  if (_i >> 1) o.pool = 0, o.q_zero = 1; /* the other way to tie: every score exactly 0 */
+  prob p = make_prob(lens, ql, 1, o);
+  const char *tile = "warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=0,merge=acqrel";
+  m3_kernel *k = decode_kernel(&p, tile);
+  static const int want[] = {1, 2, 4, 16};
+  for (int i = 0; i < 4; i++) {
+    int got = 0;
+    for (int sms = 1000; sms >= 1 && !got; sms--) {
+      m3_idx_decode_plan pl;
+      m3_err e;
+      ck_assert_msg(m3_index_decode_plan(k, &p.a, sms, &pl, &e) == M3_OK, "%s", e.msg);
+      if (pl.bpc == want[i]) g_plan_sms = sms, got = 1;
+    }
+    ck_assert_msg(got, "no SM count plans bpc %d", want[i]);
+    free(check_decode(&p, tile, 1));
+  }
+  g_plan_sms = 0;
   free_prob(&p);
 }
 END_TEST
@@ -466,21 +505,28 @@ START_TEST(decode_every_valid_tile) {
   size_t n = (size_t)4 * p.a.n_tokens * 16;
   int32_t *ref = malloc(sizeof *ref * n);
   float *forced = ref_forced(&p, ref);
-  m3_variant v, *tiles;
-  int nt;
+  m3_variant v;
   m3_err e;
   ck_assert_int_eq(m3_index_decode_key(&p.a, &v, &e), M3_OK);
-  snprintf(v.arch, sizeof v.arch, "%s", g_rt.dev.arch);
-  ck_assert_int_eq(m3_render_tiles(g_rt.jit.lua, &v, &tiles, &nt, &e), M3_OK);
+  char (*valid)[256];
+  const int nv = gpu_valid_tiles(&v, &valid);
+  /* The emulator compiles each tile with g++: sample the split-rule axes,
+   * and of lead x merge the seed's old code (lead 0/1, fence) and lead 2 with
+   * acqrel (decode_splits runs lead 0 with acqrel). */
+  int nt = 0;
+  for (int i = 0; i < nv; i++) {
+    const char *t = valid[i];
+    if (emu() && (strstr(t, "chunk=8") || strstr(t, "chunk=32") || strstr(t, "waves=2") ||
+                  (strstr(t, "lead=2") != NULL) != (strstr(t, "merge=acqrel") != NULL)))
+      continue;
+    memmove(valid[nt++], t, 256);
+  }
+  if (!emu()) gpu_prewarm_tiles(&v, valid, nt);
   int32_t *first = NULL;
   int ran = 0;
   for (int i = 0; i < nt; i++) {
-    if (m3_render_valid(g_rt.jit.lua, &tiles[i], NULL, 0, &e) != M3_OK) continue;
-    char t[256], ctx[1400];
-    m3_variant_print_tile(&tiles[i], t, sizeof t);
-    /* The emulator compiles each tile with g++: sample the split-rule axes. */
-    if (emu() && (strstr(t, "chunk=8") || strstr(t, "chunk=32") || strstr(t, "waves=2"))) continue;
-    int32_t *g = run_decode(&p, t, ctx, sizeof ctx);
+    char ctx[1400];
+    int32_t *g = run_decode(&p, valid[i], ctx, sizeof ctx);
     compare_topk(&p, forced, g, ref, 0, ctx);
     if (!first) first = g;
     else {
@@ -491,7 +537,7 @@ START_TEST(decode_every_valid_tile) {
   }
   ck_assert_int_gt(ran, 1);
   free(first);
-  free(tiles);
+  free(valid);
   free(ref);
   free(forced);
   free_prob(&p);
@@ -787,6 +833,7 @@ static Suite *make(void) {
   tcase_add_loop_test(tc(s, "decode_spec"), decode_speculative_forcing, 0, 8);
   tcase_add_loop_test(tc(s, "decode_splits"), decode_many_splits, 0, 4);
   tcase_add_loop_test(tc(s, "decode_ties"), decode_exact_ties, 0, 4);
+  tcase_add_loop_test(tc(s, "decode_ties"), decode_acqrel_candidates, 0, 4);
   tcase_add_loop_test(tc(s, "decode_nonfinite"), decode_nonfinite, 0, 4);
   tcase_add_loop_test(tc(s, "decode_1m"), decode_position_1m, 0, 2);
   tcase_add_loop_test(tc(s, "decode_2gib"), decode_pages_past_2GiB, 0, 2);

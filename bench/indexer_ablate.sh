@@ -1,0 +1,98 @@
+#!/bin/sh
+# indexer_ablate.sh - where the decode indexer's time goes, without hardware
+# counters (METHOD.md: time variants that leave one stage out, take
+# differences).  For each case (index-K dtype, context, tile) and each variant
+# it renders templates/index_decode.lua with that tile as the default and,
+# for the ablations, one stage cut out, and times `m3kit bench --only indexer`
+# on that one case with no tuning DB (so the default tile is what runs).
+#
+#   sh indexer_ablate.sh [--rounds N] [--out DIR] [--m3kit PATH] [--templates DIR] [--dry-run]
+#
+# --dry-run compiles every variant (m3kit gen --compile, NVRTC, no GPU) instead of timing it.
+#
+# Variants (tiles are the case's tile with lead and merge as named):
+#   fence     lead as the case's tile, merge=fence     (the code the seed timed)
+#   acqrel    the same with merge=acqrel
+#   lead2     lead=2, merge=fence  (lead=1 cases only)
+#   both      lead=2, merge=acqrel (lead=1 cases only)
+#   nomerge   fence, and every CTA returns after writing its split's list (no handover, no merge)
+#   handover  fence, and the last CTA returns after the counter (fences + atomic, no merge)
+#   noscore   fence, and no keys are read (U = 0): prologue, ranking, handover and merge only
+#   empty     fence, and the kernel returns right after its opening (launch, metadata, grid wait)
+# The ablations compute wrong answers: this measures time only, never use
+# their output.  Cases: CASES="idxk:context:tile;..." (default: the seed's
+# tuned tiles of bf16 8K, 128K, 1M and e4m3 384K, session 24).
+set -u
+rounds=1 dry=0 out=${OUT:-/tmp/out}/ablate m3kit=./m3kit tdir=./templates
+while [ $# -gt 0 ]; do
+  case $1 in
+    --rounds) rounds=$2; shift 2;;
+    --out) out=$2; shift 2;;
+    --m3kit) m3kit=$2; shift 2;;
+    --templates) tdir=$2; shift 2;;
+    --dry-run) dry=1; shift;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0;;
+    *) echo "indexer_ablate.sh: unknown option $1" >&2; exit 2;;
+  esac
+done
+[ -f "$tdir/index_decode.lua" ] || { echo "indexer_ablate.sh: no $tdir/index_decode.lua" >&2; exit 2; }
+mkdir -p "$out"
+cases=${CASES:-"bf16:8192:warps=8,depth=2,waves=1,chunk=32,cvt=alu,lead=1;bf16:131072:warps=8,depth=2,waves=1,chunk=8,cvt=alu,lead=1;e4m3:393216:warps=4,depth=2,waves=1,chunk=32,cvt=hw,lead=1;bf16:1048576:warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=0"}
+variants=${VARIANTS:-"fence acqrel lead2 both nomerge handover noscore empty"}
+
+# tile as a Lua table literal: warps=8,cvt=alu -> warps = 8, cvt = "alu"
+lua_tile() { echo "$1" | tr ',' '\n' | sed -E 's/^([a-z]+)=([0-9]+)$/\1 = \2/; s/^([a-z]+)=([a-z0-9]+)$/\1 = "\2"/' | paste -sd, - | sed 's/,/, /g'; }
+
+# make_dir NAME TILE ABLATION: a templates copy whose index_decode default is TILE, with the ablation applied
+make_dir() {
+  d=$out/tpl-$1
+  rm -rf "$d" && cp -r "$tdir" "$d"
+  f=$d/index_decode.lua
+  t=$(lua_tile "$2")
+  sed -i -E "s|^  return \{warps = 4, depth = k.idxk == \"e4m3\" and 4 or 2, .*\}$|  return {$t}|" "$f"
+  grep -q "return {$t}" "$f" || { echo "indexer_ablate.sh: default_tile not replaced in $f" >&2; return 1; }
+  cp "$f" "$f.pre"
+  case $3 in
+    nomerge) sed -i 's|^  if (n_splits == 1) return;$|  return; /* ablation: no handover, no merge */|' "$f";;
+    handover) sed -i 's|^  if (!s_last) return;$|  if (tid == 0 \&\& s_last) counters[t] = 0u; return; /* ablation: no merge */|' "$f";;
+    noscore) sed -i '0,/^    const int U = n_c \* GPB;$/s//    const int U = 0; \/* ablation: no keys read *\//' "$f";;
+    empty) sed -i 's|^\$prologue\$opening|$prologue  if (H) return; /* ablation: nothing after the opening */\n$opening|' "$f";;
+  esac
+  if [ "$3" != none ] && cmp -s "$f" "$f.pre"; then echo "indexer_ablate.sh: ablation $3 changed nothing in $f" >&2; return 1; fi
+  rm -f "$f.pre"
+  echo "$d"
+}
+
+res=$out/ablate.tsv
+printf 'round\tidxk\tcontext\tvariant\ttile\tmedian_us\tgraph_us\n' > "$res"
+for r in $(seq 1 "$rounds"); do
+  echo "$cases" | tr ';' '\n' | while IFS=: read -r ix ctx tile; do
+    [ -n "$ix" ] || continue
+    base=$(echo "$tile" | sed -E 's/,?lead=[0-9]//; s/,?merge=[a-z]+//')
+    lead=$(echo "$tile" | sed -nE 's/.*lead=([0-9]).*/\1/p'); lead=${lead:-0}
+    for v in $variants; do
+      case $v in
+        fence) t="$base,lead=$lead,merge=fence" a=none;;
+        acqrel) t="$base,lead=$lead,merge=acqrel" a=none;;
+        lead2) [ "$lead" = 1 ] || continue; t="$base,lead=2,merge=fence" a=none;;
+        both) [ "$lead" = 1 ] || continue; t="$base,lead=2,merge=acqrel" a=none;;
+        *) t="$base,lead=$lead,merge=fence" a=$v;;
+      esac
+      d=$(make_dir "$v-$ix-$ctx" "$t" "$a") || continue
+      md=$out/bench-$v-$ix-$ctx-$r.md
+      if [ "$dry" = 1 ]; then
+        M3KIT_TEMPLATE_DIR=$d "$m3kit" gen --compile "index_decode(idxk=$ix,heads=4,hd=128,bs=128,topk=16,init=0,local=1)[$t]@sm_90" \
+          > "$md.log" 2>&1
+        printf '%s\t%s\t%s\t%s\t%s\tcompile rc=%s\t\n' "$r" "$ix" "$ctx" "$v" "$t" "$?" | tee -a "$res"
+        continue
+      fi
+      M3KIT_TEMPLATE_DIR=$d M3KIT_SEED_DB=/nonexistent M3KIT_CACHE_DIR=${M3KIT_CACHE_DIR:-/tmp/m3kit-cache}-ablate \
+        M3KIT_BENCH_CASE="batch 1, $ctx $ix" timeout 120 "$m3kit" bench --only indexer --out "$md" > "$md.log" 2>&1
+      rc=$?
+      row=$(grep -E "^\| batch 1, $ctx \| $ix \|" "$md" 2>/dev/null | head -n 1)
+      med=$(echo "$row" | awk -F'|' '{gsub(/ /,"",$7); print $7}')
+      gr=$(echo "$row" | awk -F'|' '{gsub(/ /,"",$10); print $10}')
+      printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$r" "$ix" "$ctx" "$v" "$t" "${med:-rc=$rc}" "${gr:-}" | tee -a "$res"
+    done
+  done
+done
