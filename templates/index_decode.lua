@@ -41,10 +41,9 @@
 -- lead=2 also requests the first keys before the query.  The merge is most
 -- of what a launch costs beyond its stream (2.9-4.9 us of it on an H100 at
 -- 8K to 1M, device run 48's ablation): tile merge=acqrel hands over with one
--- acq_rel atomic instead of seq_cst fences, fetches every split's list at
--- once when a token's lists hold <= 1024 keys (one round trip: no heads, no
--- survivors; 8K and 128K), compacts candidates by ballot and ranks the usual
--- few by shuffles; merge=fence is the older code, kept
+-- acq_rel atomic instead of seq_cst fences, takes one-block splits' candidates
+-- straight from their heads (no list fetch), compacts candidates by ballot
+-- and ranks the usual few by shuffles; merge=fence is the older code, kept
 -- byte for byte so the tuning records that timed it stay valid.
 local P = m3.include("lib/prelude")
 local I = m3.include("lib/indexer")
@@ -317,7 +316,7 @@ $prologue$opening    for (int base = u0; base < u1; base += DEPTH) {
 $publish  for (int h = w; h < H; h += NW) {
     const u64 *hp = heads + ((i64)t * H + h) * max_splits;
     const u64 *lp0 = lists + ((i64)t * max_splits * H + h) * TOPK; /* split s at lp0 + s * H * TOPK */
-$h1_open    u64 hr[RH], mx = 0ull;
+    u64 hr[RH], mx = 0ull;
 #pragma unroll
     for (int r = 0; r < RH; r++) {
       const int s2 = lane + 32 * r;
@@ -329,7 +328,7 @@ $h1_open    u64 hr[RH], mx = 0ull;
       mx = x > mx ? x : mx;
     }
     const u64 thr = warp_kth_largest(mx, TOPK);
-    /* The splits whose best key reaches the threshold, compacted into shared
+$h1_open    /* The splits whose best key reaches the threshold, compacted into shared
      * memory by ballot, so that all their lists are then fetched in one
      * round trip (a conditional fetch per register would be RH dependent
      * round trips: ncu on the H200 found the SMs idle for 73% of a 128K launch,
@@ -468,13 +467,13 @@ local OPEN = {
 -- fences again before it reads.  acqrel: one atom.acq_rel.gpu by thread 0
 -- between two barriers - its release covers the other warps' stores, which
 -- the barrier ordered before it, and its acquire the other warps' reads, as
--- in CUTLASS's semaphore - so no seq_cst fence is on the path.  Its merge
--- loads every split's list at once where they hold <= RL x 32 keys (a
--- split's list has min(bpc, TOPK) keys), so the threshold and the candidates
--- come from one round trip instead of heads, then survivors' lists; past
--- that it is the fence merge's.  Candidates are compacted by ballot (32
--- lanes' atomics on one shared counter serialise) and up to 64 are ranked by
--- shuffles.
+-- in CUTLASS's semaphore - so no seq_cst fence is on the path.  With one
+-- block a split (bpc 1) a split's list is its head, so the merge takes the
+-- candidates from the heads it holds in registers instead of fetching the
+-- survivors' lists: one round trip less.  Candidates are compacted by ballot
+-- (32 lanes' atomics on one shared counter serialise) and up to 64 are
+-- ranked by shuffles.  (Loading every split's list at once where they hold
+-- <= 1024 keys was slower: 64 more registers, spilled; device run 49.)
 local MERGE = {
   fence = {publish = [[
   __threadfence();
@@ -507,7 +506,6 @@ local MERGE = {
   if (!s_last) return;
 ]],
     defs = [[
-#define RL 32                    /* list keys per lane the acqrel merge holds in registers (1024 in all) */
 /* atomicAdd with release (earlier stores, the barrier's included, are seen
  * first) and acquire (later loads see what the releases published). */
 M3_DEV unsigned atom_add_acq_rel(unsigned *p, unsigned v) {
@@ -548,25 +546,24 @@ M3_DEV void warp_rank_top_shfl(const u64 *cand, int n, int K, int *out_s) {
 }
 ]],
     h1_open = [[
-    const int E = bpc < TOPK ? bpc : TOPK; /* keys a split's list holds */
-    if (n_splits * E <= 32 * RL) { /* every list in registers at once: one round trip, no heads, no survivors */
-      const float inv_e = 1.0f / (float)E; /* i / E for i < 2^12: exact after rounding down i + 0.5 */
-      u64 xr[RL], mx = 0ull;
-#pragma unroll
-      for (int r = 0; r < RL; r++) {
-        const int i = lane + 32 * r, s2 = (int)(((float)i + 0.5f) * inv_e);
-        xr[r] = i < n_splits * E ? ldcg64(lp0 + (i64)s2 * H * TOPK + (i - s2 * E)) : 0ull;
-        mx = xr[r] > mx ? xr[r] : mx;
-      }
-      const u64 thr = warp_kth_largest(mx, TOPK);
+    if (bpc == 1) { /* each split's list is its head: the candidates are hr[] and the heads past it */
       const unsigned lt1 = (1u << lane) - 1u;
       int nc = 0;
 #pragma unroll
-      for (int r = 0; r < RL; r++) {
-        const int p = xr[r] != 0ull && xr[r] >= thr;
+      for (int r = 0; r < RH; r++) {
+        const int p = hr[r] != 0ull && hr[r] >= thr;
         const unsigned m = __ballot_sync(FULL, p);
         const int at = nc + __popc(m & lt1);
-        if (p && at < CAP) s_keys[w][at] = xr[r];
+        if (p && at < CAP) s_keys[w][at] = hr[r];
+        nc += __popc(m);
+      }
+      for (int b2 = 32 * RH; b2 < n_splits; b2 += 32) {
+        const int s2 = b2 + lane;
+        const u64 x = s2 < n_splits ? ldcg64(hp + s2) : 0ull;
+        const int p = x != 0ull && x >= thr;
+        const unsigned m = __ballot_sync(FULL, p);
+        const int at = nc + __popc(m & lt1);
+        if (p && at < CAP) s_keys[w][at] = x;
         nc += __popc(m);
       }
       if (lane == 0) s_cnt[w] = nc;
