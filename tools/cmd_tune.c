@@ -135,9 +135,14 @@ static int show_or_plot(const char *arch, const char *plot_dir, const char *db_p
     m3_tunedb_free(db);
     return cli_fail("tune", s, &e);
   }
-  printf("tuning DB %s: %zu records\n", path, m3_tunedb_count(db));
+  /* A user who never tuned: say so in one line and go on to the seed, not an empty table. */
+  const int none = !db_path && !plot_dir && m3_tunedb_count(db) == 0 && !rep.summary[0];
+  if (none)
+    printf("tuning DB %s: %s (m3kit tune writes it)\n", path, s == M3_NOTFOUND ? "not there yet" : "no records");
+  else
+    printf("tuning DB %s: %zu records\n", path, m3_tunedb_count(db));
   if (rep.summary[0]) printf("  %s\n", rep.summary); /* what the load skipped or ignored, and why */
-  if (s == M3_OK) { /* which of them this build would use: the runtime's filter (the driver not checked) */
+  if (s == M3_OK && !none) { /* which of them this build would use: the runtime's filter (the driver not checked) */
     m3_lua *L;
     m3_err le;
     if (m3_lua_open(&L, &le) == M3_OK) {
@@ -164,7 +169,7 @@ static int show_or_plot(const char *arch, const char *plot_dir, const char *db_p
     } else {
       printf("no records: nothing to plot\n");
     }
-  } else {
+  } else if (!none) {
     m3_tunedb_print(db, stdout);
   }
   m3_tunedb_free(db);
@@ -181,6 +186,7 @@ static int show_or_plot(const char *arch, const char *plot_dir, const char *db_p
       if (ss == M3_OK)
         printf("seed DB %s: %zu records, used where the DB above has none (m3kit tune --show --db %s lists them)\n",
                sp, m3_tunedb_count(sd), sp);
+      if (ss == M3_OK && none) m3_tunedb_print(sd, stdout); /* they are what this GPU runs */
       else
         printf("seed DB %s: unreadable (%s)\n", sp, se.msg);
       m3_tunedb_free(sd);
