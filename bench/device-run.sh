@@ -128,7 +128,7 @@ if has ncu && command -v ncu > /dev/null; then
   echo "$ncu_cases" | tr '@' '\n' > /tmp/ncu-cases
   while IFS=';' read -r fam case kre; do
     i=$((i + 1))
-    M3KIT_BENCH_CASE="$case" timeout "${T_NCU:-90}" ncu --set full -k "regex:$kre" --launch-skip "${NCU_SKIP:-8}" \
+    M3KIT_BENCH_CASE="$case" timeout "${T_NCU:-90}" ncu --clock-control none --set full -k "regex:$kre" --launch-skip "${NCU_SKIP:-8}" \
       --launch-count 1 --page details ./m3kit bench --only "$fam" --out /dev/null > "$L/ncu-$i.log" 2>&1
     log "ncu $i ($fam: $case) rc=$? $(grep -E 'Duration|DRAM Throughput|Registers Per' "$L/ncu-$i.log" | tr -s ' ' | tr '\n' ' ')"
   done < /tmp/ncu-cases
