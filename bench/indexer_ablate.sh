@@ -8,36 +8,42 @@
 #
 #   sh indexer_ablate.sh [--rounds N] [--out DIR] [--m3kit PATH] [--templates DIR] [--dry-run]
 #
-# --dry-run compiles every variant (m3kit gen --compile, NVRTC, no GPU) instead of timing it.
+# --out defaults to $OUT/ablate ($OUT: /tmp/out); --dry-run compiles every
+# variant (m3kit gen --compile, NVRTC, no GPU) instead of timing it.  Results:
+# DIR/ablate.tsv (round, dtype, context, variant, tile, event median us, graph
+# us a launch), each run's bench table and log beside it.
 #
-# Variants (tiles are the case's tile with lead and merge as named):
-#   fence     lead as the case's tile, merge=fence     (the code the seed timed)
-#   acqrel    the same with merge=acqrel
-#   lead2     lead=2, merge=fence  (lead=1 cases only)
-#   both      lead=2, merge=acqrel (lead=1 cases only)
-#   nomerge   fence, and every CTA returns after writing its split's list (no handover, no merge)
-#   handover  fence, and the last CTA returns after the counter (fences + atomic, no merge)
-#   noscore   fence, and no keys are read (U = 0): prologue, ranking, handover and merge only
-#   empty     fence, and the kernel returns right after its opening (launch, metadata, grid wait)
-# The ablations compute wrong answers: this measures time only, never use
-# their output.  Cases: CASES="idxk:context:tile;..." (default: the seed's
-# tuned tiles of bf16 8K, 128K, 1M and e4m3 384K, session 24).
+# Variants (VARIANTS="..." picks; default all):
+#   fence     the case's tile with merge=fence
+#   acqrel    the case's tile with merge=acqrel
+#   lead2     lead=2, merge=fence  (cases whose tile has lead=1; skipped, said so, otherwise)
+#   both      lead=2, merge=acqrel (likewise)
+#   nomerge   every CTA returns after writing its split's list (no handover, no merge)
+#   handover  the last CTA returns after the counter (handover, no merge)
+#   noscore   no keys are read by the score loop (U = 0; a lead >= 1 tile still prefetches its first keys into L2)
+#   empty     the kernel returns right after its opening (launch, metadata, grid wait)
+# The four ablations use the case's tile with merge=$MERGE (default acqrel).
+# They compute wrong answers: this measures time only, never use their output.
+# Cases: CASES="idxk:context:tile;..." (tile without merge); default: the
+# sm_90 seed's tiles of bf16 8K, 128K and 1M and e4m3 1M (session 24).
 set -u
 rounds=1 dry=0 out=${OUT:-/tmp/out}/ablate m3kit=./m3kit tdir=./templates
+need() { [ $# -ge 2 ] || { echo "indexer_ablate.sh: $1 needs a value" >&2; exit 2; }; }
 while [ $# -gt 0 ]; do
   case $1 in
-    --rounds) rounds=$2; shift 2;;
-    --out) out=$2; shift 2;;
-    --m3kit) m3kit=$2; shift 2;;
-    --templates) tdir=$2; shift 2;;
+    --rounds) need "$@"; rounds=$2; shift 2;;
+    --out) need "$@"; out=$2; shift 2;;
+    --m3kit) need "$@"; m3kit=$2; shift 2;;
+    --templates) need "$@"; tdir=$2; shift 2;;
     --dry-run) dry=1; shift;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0;;
+    -h|--help) sed -n '2,/^[^#]/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0;;
     *) echo "indexer_ablate.sh: unknown option $1" >&2; exit 2;;
   esac
 done
 [ -f "$tdir/index_decode.lua" ] || { echo "indexer_ablate.sh: no $tdir/index_decode.lua" >&2; exit 2; }
 mkdir -p "$out"
-cases=${CASES:-"bf16:8192:warps=8,depth=2,waves=1,chunk=32,cvt=alu,lead=1;bf16:131072:warps=8,depth=2,waves=1,chunk=8,cvt=alu,lead=1;e4m3:393216:warps=4,depth=2,waves=1,chunk=32,cvt=hw,lead=1;bf16:1048576:warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=0"}
+cases=${CASES:-"bf16:8192:warps=4,depth=2,waves=2,chunk=32,cvt=alu,lead=2;bf16:131072:warps=4,depth=2,waves=1,chunk=8,cvt=alu,lead=2;bf16:1048576:warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=2;e4m3:1048576:warps=4,depth=2,waves=1,chunk=16,cvt=hw,lead=2"}
+merge=${MERGE:-acqrel}
 variants=${VARIANTS:-"fence acqrel lead2 both nomerge handover noscore empty"}
 
 # tile as a Lua table literal: warps=8,cvt=alu -> warps = 8, cvt = "alu"
@@ -55,7 +61,16 @@ make_dir() {
   case $3 in
     nomerge) sed -i 's|^  if (n_splits == 1) return;$|  return; /* ablation: no handover, no merge */|' "$f";;
     handover) sed -i 's|^  if (!s_last) return;$|  if (tid == 0 \&\& s_last) counters[t] = 0u; return; /* ablation: no merge */|' "$f";;
-    noscore) sed -i '0,/^    const int U = n_c \* GPB;$/s//    const int U = 0; \/* ablation: no keys read *\//' "$f";;
+    noscore) # the score loop's U (the line before its buffers), not the lead-in prefetch's
+      python3 - "$f" <<'PY' || return 1
+import re, sys
+p = sys.argv[1]; s = open(p).read()
+s2, n = re.subn(r"    const int U = n_c \* GPB;\n(    const int u0 = .*\n    uint4 buf\[DEPTH\]\[CH\];)",
+                r"    const int U = 0; /* ablation: no keys read */\n\1", s)
+if n != 1: sys.exit("indexer_ablate.sh: the score loop's U found %d times in %s" % (n, p))
+open(p, "w").write(s2)
+PY
+      ;;
     empty) sed -i 's|^\$prologue\$opening|$prologue  if (H) return; /* ablation: nothing after the opening */\n$opening|' "$f";;
   esac
   if [ "$3" != none ] && cmp -s "$f" "$f.pre"; then echo "indexer_ablate.sh: ablation $3 changed nothing in $f" >&2; return 1; fi
@@ -74,9 +89,12 @@ for r in $(seq 1 "$rounds"); do
       case $v in
         fence) t="$base,lead=$lead,merge=fence" a=none;;
         acqrel) t="$base,lead=$lead,merge=acqrel" a=none;;
-        lead2) [ "$lead" = 1 ] || continue; t="$base,lead=2,merge=fence" a=none;;
-        both) [ "$lead" = 1 ] || continue; t="$base,lead=2,merge=acqrel" a=none;;
-        *) t="$base,lead=$lead,merge=fence" a=$v;;
+        lead2|both)
+          if [ "$lead" != 1 ]; then echo "indexer_ablate.sh: $v skipped for $ix $ctx: its tile has lead=$lead" >&2; continue; fi
+          m=fence; [ "$v" = both ] && m=acqrel
+          t="$base,lead=2,merge=$m" a=none;;
+        nomerge|handover|noscore|empty) t="$base,lead=$lead,merge=$merge" a=$v;;
+        *) echo "indexer_ablate.sh: unknown variant $v" >&2; exit 2;;
       esac
       d=$(make_dir "$v-$ix-$ctx" "$t" "$a") || continue
       md=$out/bench-$v-$ix-$ctx-$r.md
@@ -92,7 +110,7 @@ for r in $(seq 1 "$rounds"); do
       row=$(grep -E "^\| batch 1, $ctx \| $ix \|" "$md" 2>/dev/null | head -n 1)
       med=$(echo "$row" | awk -F'|' '{gsub(/ /,"",$7); print $7}')
       gr=$(echo "$row" | awk -F'|' '{gsub(/ /,"",$10); print $10}')
-      printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$r" "$ix" "$ctx" "$v" "$t" "${med:-rc=$rc}" "${gr:-}" | tee -a "$res"
+      printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$r" "$ix" "$ctx" "$v" "$t" "${med:-no row (bench rc=$rc, see $md.log)}" "${gr:-}" | tee -a "$res"
     done
   done
 done

@@ -47,6 +47,9 @@ typedef struct {
   int pool;            /* > 0: logical blocks share this many physical pages (exact ties, 1M contexts) */
   int q_zero;          /* all-zero queries: every score is exactly 0 */
   int nonfinite;       /* inject NaN / +-Inf into keys (1) and also a query head (2) */
+  int hot;             /* > 0: two pages; block b is behind the first (random keys) when b % 32 < hot, else
+                        * behind the second (zero keys: scores exactly 0), so the top blocks crowd into
+                        * `hot` of the merge's 32 lanes and its lane-maxima threshold passes hundreds */
   const char *tile;    /* NULL: default */
   uint64_t salt;
 } popts;
@@ -104,7 +107,7 @@ static prob make_prob(const int64_t *lens, const int *qlen, int n_seqs, popts o)
   p.bt = malloc(sizeof *p.bt * (size_t)(n_seqs * max_nb));
   p.token_seq = malloc(sizeof *p.token_seq * n_tok);
   p.pos = malloc(sizeof *p.pos * n_tok);
-  p.pages_used = o.pool > 0 ? o.pool : total_nb;
+  p.pages_used = o.hot > 0 ? 2 : o.pool > 0 ? o.pool : total_nb;
   p.pages_alloc = o.page_base + p.pages_used;
   /* Distinct pages in random order (or a pool), starting at page_base. */
   int64_t *perm = malloc(sizeof *perm * (size_t)p.pages_used);
@@ -120,7 +123,8 @@ static prob make_prob(const int64_t *lens, const int *qlen, int n_seqs, popts o)
     int64_t nb = (lens[s] + bs - 1) / bs;
     for (int64_t b = 0; b < max_nb; b++) {
       int32_t pg = -7; /* never read: past the visible blocks */
-      if (b < nb) pg = (int32_t)(o.pool > 0 ? perm[(uint64_t)(b * 2654435761u + s) % (uint64_t)o.pool] : perm[next++]);
+      if (b < nb && o.hot > 0) pg = (int32_t)perm[b % 32 < o.hot ? 0 : 1];
+      else if (b < nb) pg = (int32_t)(o.pool > 0 ? perm[(uint64_t)(b * 2654435761u + s) % (uint64_t)o.pool] : perm[next++]);
       p.bt[s * max_nb + b] = pg;
     }
     int q = qlen ? qlen[s] : 1;
@@ -129,6 +133,7 @@ static prob make_prob(const int64_t *lens, const int *qlen, int n_seqs, popts o)
       p.pos[t] = lens[s] - q + i;
     }
   }
+  const int64_t cold_page = o.hot > 0 ? perm[1] : -1;
   free(perm);
   p.iq_bytes = (size_t)n_tok * p.a.n_heads * HD * p.esz;
   p.iq = calloc(1, p.iq_bytes);
@@ -139,6 +144,7 @@ static prob make_prob(const int64_t *lens, const int *qlen, int n_seqs, popts o)
   ck_assert_ptr_nonnull(p.cache);
   fill_values(&r, o.e4m3, p.cache + (size_t)o.page_base * p.page_bytes,
               (size_t)p.pages_used * p.page_bytes / p.esz);
+  if (cold_page >= 0) memset(p.cache + (size_t)cold_page * p.page_bytes, 0, p.page_bytes);
   if (o.nonfinite) {
     /* In visible rows of random blocks and in the rows past the last query
      * of the first sequence (masked: must not matter). */
@@ -450,6 +456,36 @@ START_TEST(decode_acqrel_candidates) {
     g_plan_sms = 0;
     free_prob(&p);
   }
+}
+END_TEST
+
+/* The merge's exact fallback: more candidates at or above the lane-maxima
+ * threshold than it ranks in shared memory (CAP), or more surviving splits
+ * than it lists (SVCAP, fence at bpc 1).  750 blocks of 16 tokens whose top
+ * blocks (all behind one page: exact ties, lowest ids first) sit in 12 of
+ * every 32: ~281 candidates, at bpc 1 (merge=acqrel's heads path, past its
+ * 512 heads in registers) and 2. */
+START_TEST(decode_merge_fallback) {
+  int64_t lens[] = {12000};
+  popts o = {.e4m3 = _i, .local = 1, .salt = 23, .hot = 12, .bs = 16};
+  prob p = make_prob(lens, NULL, 1, o);
+  static const char *tiles[] = {"warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=0,merge=fence",
+                                "warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=0,merge=acqrel"};
+  for (int ti = 0; ti < 2; ti++)
+    for (int bpc = 1; bpc <= 2; bpc++) {
+      m3_kernel *k = decode_kernel(&p, tiles[ti]);
+      int got = 0;
+      for (int sms = 1000; sms >= 1 && !got; sms--) {
+        m3_idx_decode_plan pl;
+        m3_err e;
+        ck_assert_msg(m3_index_decode_plan(k, &p.a, sms, &pl, &e) == M3_OK, "%s", e.msg);
+        if (pl.bpc == bpc) g_plan_sms = sms, got = 1;
+      }
+      ck_assert_msg(got, "no SM count plans bpc %d", bpc);
+      free(check_decode(&p, tiles[ti], 1));
+    }
+  g_plan_sms = 0;
+  free_prob(&p);
 }
 END_TEST
 
@@ -837,6 +873,7 @@ static Suite *make(void) {
   tcase_add_loop_test(tc(s, "decode_splits"), decode_many_splits, 0, 4);
   tcase_add_loop_test(tc(s, "decode_ties"), decode_exact_ties, 0, 4);
   tcase_add_loop_test(tc(s, "decode_ties"), decode_acqrel_candidates, 0, 2);
+  tcase_add_loop_test(tc(s, "decode_ties"), decode_merge_fallback, 0, 2);
   tcase_add_loop_test(tc(s, "decode_nonfinite"), decode_nonfinite, 0, 4);
   tcase_add_loop_test(tc(s, "decode_1m"), decode_position_1m, 0, 2);
   tcase_add_loop_test(tc(s, "decode_2gib"), decode_pages_past_2GiB, 0, 2);

@@ -22,6 +22,7 @@
 #include "cache/tunedb.h"
 #include "autotune/tune.h"
 #include "m3config.h"
+#include "runtime/tuning_lookup.h"
 
 /* ------------------------------------------------------------------------- */
 /* helpers                                                                   */
@@ -1088,6 +1089,54 @@ END_TEST
 
 /* ------------------------------------------------------------------------- */
 
+/* `m3kit tune --show` as a user sees it ($M3KIT_BIN, set by `make check`;
+ * skipped when run by hand without it): with no DB of the user's, one line
+ * for it and then the seed's records; with one, its records and one line for
+ * the seed.  Never "unreadable" for a seed that is there (a dangling else
+ * once printed it, with an uninitialised message, for every user with a DB). */
+static char *run_show(const char *cache, size_t *len) {
+  const char *bin = getenv("M3KIT_BIN");
+  char cmd[2048];
+  snprintf(cmd, sizeof cmd, "M3KIT_CACHE_DIR='%s' '%s' tune --show --arch sm_90 2>&1", cache, bin);
+  FILE *f = popen(cmd, "r");
+  ck_assert_ptr_nonnull(f);
+  char *out = malloc(1 << 20);
+  size_t n = fread(out, 1, (1 << 20) - 1, f);
+  out[n] = 0;
+  ck_assert_int_eq(pclose(f), 0);
+  *len = n;
+  return out;
+}
+
+START_TEST(cli_show_with_and_without_a_db) {
+  if (!getenv("M3KIT_BIN")) return;
+  char seed[4200];
+  if (!m3_tuning_seed_path("sm_90", seed, sizeof seed) || access(seed, R_OK)) return; /* no seed installed */
+  char *dir = tmpdir();
+  size_t n;
+  char *out = run_show(dir, &n);
+  ck_assert_msg(strstr(out, "not there yet (m3kit tune writes it)"), "no DB:\n%s", out);
+  ck_assert_msg(strstr(out, "what the runtime uses until you tune"), "no DB:\n%s", out);
+  ck_assert_msg(strstr(out, "\nkey ") && !strstr(out, "unreadable") && !strstr(out, "0 records"), "no DB:\n%s", out);
+  free(out);
+  /* the seed copied in as the user's DB */
+  char tdir[4300], db[4400], cmd[9000];
+  snprintf(tdir, sizeof tdir, "%s/tuning", dir);
+  ck_assert_int_eq(mkdir(tdir, 0755), 0);
+  snprintf(db, sizeof db, "%s/sm_90.json", tdir);
+  snprintf(cmd, sizeof cmd, "cp '%s' '%s'", seed, db);
+  ck_assert_int_eq(system(cmd), 0);
+  out = run_show(dir, &n);
+  ck_assert_msg(strstr(out, "this m3kit would use") && strstr(out, "used where the DB above has none"),
+                "with a DB:\n%s", out);
+  ck_assert_msg(!strstr(out, "unreadable") && !strstr(out, "not there yet"), "with a DB:\n%s", out);
+  free(out);
+  rm_tree(dir);
+}
+END_TEST
+
+/* ------------------------------------------------------------------------- */
+
 int main(void) {
   Suite *s = suite_create("tunedb");
   TCase *basic = tcase_create("basic");
@@ -1127,6 +1176,7 @@ int main(void) {
   tcase_set_timeout(out, 60);
   tcase_add_test(out, print_and_plot);
   tcase_add_test(out, only_list_matches_whole_names);
+  tcase_add_test(out, cli_show_with_and_without_a_db);
   suite_add_tcase(s, out);
 
   SRunner *sr = srunner_create(s);

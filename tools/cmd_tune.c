@@ -123,6 +123,25 @@ static int rehash(const char *arch, const char *db_path) {
   return 0;
 }
 
+/* "this m3kit would use K of them": the runtime's filter (template and code
+ * hashes, arch; the driver not checked) over the DB at path. */
+static void print_usable(const char *path, const char *arch) {
+  m3_lua *L;
+  m3_err le;
+  if (m3_lua_open(&L, &le) != M3_OK) return;
+  m3_tuning_hash_ctx hc = {.lua = L};
+  m3_tunedb_filter f;
+  m3_tuning_filter_init(&f, &hc, arch, NULL);
+  m3_tunedb *fdb = m3_tunedb_new();
+  m3_tunedb_report frep;
+  memset(&frep, 0, sizeof frep);
+  if (fdb && m3_tunedb_load(fdb, path, NULL, &f, &frep, &le) == M3_OK)
+    printf("  this m3kit would use %d of them for %s%s%s\n", frep.loaded, arch, frep.summary[0] ? "; " : "",
+           frep.summary);
+  m3_tunedb_free(fdb);
+  m3_lua_close(L);
+}
+
 static int show_or_plot(const char *arch, const char *plot_dir, const char *db_path) {
   m3_err e;
   char path[4200];
@@ -135,30 +154,15 @@ static int show_or_plot(const char *arch, const char *plot_dir, const char *db_p
     m3_tunedb_free(db);
     return cli_fail("tune", s, &e);
   }
-  /* A user who never tuned: say so in one line and go on to the seed, not an empty table. */
+  /* A user who never tuned: one line for the empty DB, then the seed's
+   * records (what the runtime uses), not an empty table. */
   const int none = !db_path && !plot_dir && m3_tunedb_count(db) == 0 && !rep.summary[0];
   if (none)
-    printf("tuning DB %s: %s (m3kit tune writes it)\n", path, s == M3_NOTFOUND ? "not there yet" : "no records");
+    printf("tuning DB %s: %s (m3kit tune writes it)\n", path, access(path, F_OK) ? "not there yet" : "no records");
   else
     printf("tuning DB %s: %zu records\n", path, m3_tunedb_count(db));
   if (rep.summary[0]) printf("  %s\n", rep.summary); /* what the load skipped or ignored, and why */
-  if (s == M3_OK && !none) { /* which of them this build would use: the runtime's filter (the driver not checked) */
-    m3_lua *L;
-    m3_err le;
-    if (m3_lua_open(&L, &le) == M3_OK) {
-      m3_tuning_hash_ctx hc = {.lua = L};
-      m3_tunedb_filter f;
-      m3_tuning_filter_init(&f, &hc, arch, NULL);
-      m3_tunedb *fdb = m3_tunedb_new();
-      m3_tunedb_report frep;
-      memset(&frep, 0, sizeof frep);
-      if (fdb && m3_tunedb_load(fdb, path, NULL, &f, &frep, &le) == M3_OK)
-        printf("  this m3kit would use %d of them for %s%s%s\n", frep.loaded, arch, frep.summary[0] ? "; " : "",
-               frep.summary);
-      m3_tunedb_free(fdb);
-      m3_lua_close(L);
-    }
-  }
+  if (s == M3_OK && !none) print_usable(path, arch);
   int rc = 0;
   if (plot_dir) {
     int n = 0;
@@ -183,12 +187,16 @@ static int show_or_plot(const char *arch, const char *plot_dir, const char *db_p
       m3_err se;
       m3_status ss = access(sp, R_OK) == 0 ? m3_tunedb_load(sd, sp, NULL, NULL, &sr, &se)
                                             : m3_errf(&se, M3_NOTFOUND, "cannot read it");
-      if (ss == M3_OK)
+      if (ss != M3_OK) {
+        printf("seed DB %s: unreadable (%s)\n", sp, se.msg);
+      } else if (none) {
+        printf("seed DB %s: %zu records, what the runtime uses until you tune\n", sp, m3_tunedb_count(sd));
+        print_usable(sp, arch);
+        m3_tunedb_print(sd, stdout);
+      } else {
         printf("seed DB %s: %zu records, used where the DB above has none (m3kit tune --show --db %s lists them)\n",
                sp, m3_tunedb_count(sd), sp);
-      if (ss == M3_OK && none) m3_tunedb_print(sd, stdout); /* they are what this GPU runs */
-      else
-        printf("seed DB %s: unreadable (%s)\n", sp, se.msg);
+      }
       m3_tunedb_free(sd);
     } else {
       printf("no seed DB for %s: untuned kernels use their templates' default tiles\n", arch);
