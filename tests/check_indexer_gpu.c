@@ -401,9 +401,12 @@ START_TEST(decode_many_splits) {
   static const char *tiles[] = {"warps=4,depth=2,waves=1,chunk=8,cvt=alu,lead=0,merge=fence",
                                 "warps=8,depth=2,waves=2,chunk=32,cvt=alu,lead=1,merge=fence",
                                 "warps=4,depth=2,waves=1,chunk=8,cvt=alu,lead=0,merge=acqrel",
-                                "warps=8,depth=2,waves=1,chunk=16,cvt=alu,lead=2,merge=acqrel"};
+                                "warps=8,depth=2,waves=1,chunk=16,cvt=alu,lead=2,merge=acqrel",
+                                /* every lead x merge pairing (the seed runs lead=1 with acqrel) */
+                                "warps=8,depth=2,waves=1,chunk=32,cvt=alu,lead=1,merge=acqrel",
+                                "warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=2,merge=fence"};
   g_plan_sms = (_i >> 1) ? 1 : 1000;
-  for (int i = 0; i < 4; i++) free(check_decode(&p, tiles[i], 0));
+  for (int i = 0; i < 6; i++) free(check_decode(&p, tiles[i], 0));
   g_plan_sms = 0;
   free_prob(&p);
 }
