@@ -279,6 +279,20 @@ static m3_kernel *decode_kernel(const prob *p, const char *tile) {
 static int g_plan_sms;
 static int plan_sms(void) { return g_plan_sms ? g_plan_sms : g_rt.dev.sm_count; }
 
+/* Sets g_plan_sms to an SM count for which k plans `bpc` blocks a split. */
+static void plan_bpc(const m3_kernel *k, const m3_idx_args *a, int bpc) {
+  for (int sms = 1000; sms >= 1; sms--) {
+    m3_idx_decode_plan pl;
+    m3_err e;
+    ck_assert_msg(m3_index_decode_plan(k, a, sms, &pl, &e) == M3_OK, "%s", e.msg);
+    if (pl.bpc == bpc) {
+      g_plan_sms = sms;
+      return;
+    }
+  }
+  ck_abort_msg("no SM count plans bpc %d", bpc);
+}
+
 /* Runs the decode kernel; returns its [H, N, K] output (malloc'd). */
 static int32_t *run_decode(const prob *p, const char *tile, char *ctx, size_t nctx) {
   m3_kernel *k = decode_kernel(p, tile);
@@ -446,14 +460,7 @@ START_TEST(decode_acqrel_candidates) {
     m3_kernel *k = decode_kernel(&p, tile);
     static const int want[2][4] = {{1, 4, 0, 0}, {1, 2, 4, 16}};
     for (int i = 0; i < 4 && want[big][i]; i++) {
-      int got = 0;
-      for (int sms = 1000; sms >= 1 && !got; sms--) {
-        m3_idx_decode_plan pl;
-        m3_err e;
-        ck_assert_msg(m3_index_decode_plan(k, &p.a, sms, &pl, &e) == M3_OK, "%s", e.msg);
-        if (pl.bpc == want[big][i]) g_plan_sms = sms, got = 1;
-      }
-      ck_assert_msg(got, "no SM count plans bpc %d", want[big][i]);
+      plan_bpc(k, &p.a, want[big][i]);
       free(check_decode(&p, tile, 1));
     }
     g_plan_sms = 0;
@@ -474,19 +481,13 @@ START_TEST(decode_merge_fallback) {
   prob p = make_prob(lens, NULL, 1, o);
   static const char *tiles[] = {"warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=0,merge=fence",
                                 "warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=0,merge=acqrel"};
-  for (int ti = 0; ti < 2; ti++)
+  for (int ti = 0; ti < 2; ti++) {
+    m3_kernel *k = decode_kernel(&p, tiles[ti]);
     for (int bpc = 1; bpc <= 2; bpc++) {
-      m3_kernel *k = decode_kernel(&p, tiles[ti]);
-      int got = 0;
-      for (int sms = 1000; sms >= 1 && !got; sms--) {
-        m3_idx_decode_plan pl;
-        m3_err e;
-        ck_assert_msg(m3_index_decode_plan(k, &p.a, sms, &pl, &e) == M3_OK, "%s", e.msg);
-        if (pl.bpc == bpc) g_plan_sms = sms, got = 1;
-      }
-      ck_assert_msg(got, "no SM count plans bpc %d", bpc);
+      plan_bpc(k, &p.a, bpc);
       free(check_decode(&p, tiles[ti], 1));
     }
+  }
   g_plan_sms = 0;
   free_prob(&p);
 }

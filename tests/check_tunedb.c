@@ -1094,7 +1094,7 @@ END_TEST
  * for it and then the seed's records; with one, its records and one line for
  * the seed.  Never "unreadable" for a seed that is there (a dangling else
  * once printed it, with an uninitialised message, for every user with a DB). */
-static char *run_show(const char *cache, size_t *len) {
+static char *run_show(const char *cache) {
   const char *bin = getenv("M3KIT_BIN");
   char cmd[2048];
   snprintf(cmd, sizeof cmd, "M3KIT_CACHE_DIR='%s' '%s' tune --show --arch sm_90 2>&1", cache, bin);
@@ -1104,7 +1104,6 @@ static char *run_show(const char *cache, size_t *len) {
   size_t n = fread(out, 1, (1 << 20) - 1, f);
   out[n] = 0;
   ck_assert_int_eq(pclose(f), 0);
-  *len = n;
   return out;
 }
 
@@ -1113,8 +1112,7 @@ START_TEST(cli_show_with_and_without_a_db) {
   char seed[4200];
   if (!m3_tuning_seed_path("sm_90", seed, sizeof seed) || access(seed, R_OK)) return; /* no seed installed */
   char *dir = tmpdir();
-  size_t n;
-  char *out = run_show(dir, &n);
+  char *out = run_show(dir);
   ck_assert_msg(strstr(out, "not there yet (m3kit tune writes it)"), "no DB:\n%s", out);
   ck_assert_msg(strstr(out, "what the runtime uses until you tune"), "no DB:\n%s", out);
   ck_assert_msg(strstr(out, "\nkey ") && !strstr(out, "unreadable") && !strstr(out, "0 records"), "no DB:\n%s", out);
@@ -1126,7 +1124,7 @@ START_TEST(cli_show_with_and_without_a_db) {
   snprintf(db, sizeof db, "%s/sm_90.json", tdir);
   snprintf(cmd, sizeof cmd, "cp '%s' '%s'", seed, db);
   ck_assert_int_eq(system(cmd), 0);
-  out = run_show(dir, &n);
+  out = run_show(dir);
   ck_assert_msg(strstr(out, "this m3kit would use") && strstr(out, "used where the DB above has none"),
                 "with a DB:\n%s", out);
   ck_assert_msg(!strstr(out, "unreadable") && !strstr(out, "not there yet"), "with a DB:\n%s", out);
