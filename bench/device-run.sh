@@ -1,7 +1,7 @@
 #!/bin/sh
 # device-run.sh - everything one H200 session should measure, in one call:
 #   ./bench/pack-device.sh here, then on the device (carry [".dev"]):
-#   cd .dev && sh device-run.sh [tests] [sanitize] [ablate] [tune] [tune2] [bench] [bench-insert] [run] [ncu] [torch] [run1m] [tpot] [ab] [tp] [all]
+#   cd .dev && sh device-run.sh [tests] [sanitize] [ablate] [gablate] [tune] [tune2] [bench] [bench-insert] [run] [ncu] [torch] [run1m] [tpot] [ab] [tp] [all]
 # Correctness work (tests, sanitizers) runs concurrently: it only needs
 # answers, and a device call is limited to 10 minutes.  Timed work (tune,
 # bench, run, tpot) runs alone, one after the other.  Every log is packed
@@ -87,6 +87,14 @@ if has ablate && [ -f ./indexer_ablate.sh ] && [ -d ./templates ]; then
     --rounds "${ABLATE_ROUNDS:-1}" --out "$OUT/ablate" --m3kit ./m3kit --templates ./templates > "$L/ablate.log" 2>&1
   log "ablate rc=$? at $(elapsed) s"
   cp "$OUT/ablate/ablate.tsv" "$L/" 2>/dev/null
+fi
+if has gablate && [ -f ./gemv_ablate.sh ] && [ -d ./templates ]; then
+  # Where the W8A16 MoE GEMV's time goes (gemv_ablate.sh: the ring's compute
+  # cut down part by part; GABLATE_CASES, GABLATE_VARIANTS, GABLATE_ROUNDS).
+  CASES=${GABLATE_CASES:-} VARIANTS=${GABLATE_VARIANTS:-} timeout "${T_GABLATE:-240}" sh ./gemv_ablate.sh \
+    --rounds "${GABLATE_ROUNDS:-1}" --out "$OUT/gemv-ablate" --m3kit ./m3kit --templates ./templates > "$L/gablate.log" 2>&1
+  log "gablate rc=$? at $(elapsed) s"
+  cp "$OUT/gemv-ablate/ablate.tsv" "$L/gemv-ablate.tsv" 2>/dev/null
 fi
 if has tune; then
   # Twice, the second from an empty tuning DB over the same cubins: how

@@ -90,6 +90,7 @@ T.tiles = {
                                     -- CTAs of tpc=8 put 2 on 60 SMs and 1 on 72; gate|up's 96 left 36 SMs idle)
   {"lead", {0, 1}},                 -- W8A16 GEMV with the ring, non-MoE: 1 = the ring's first stages are issued
                                     -- before the grid wait, while the previous kernel still runs (lib/lead.lua)
+  {"lean", {0, 1}},                 -- W8A16 GEMV with the ring: 1 = fewer instructions a block (RING_COMPUTE_LEAN)
 }
 
 -- Opt-in dynamic shared memory per block, by SM generation.
@@ -139,8 +140,8 @@ function T.valid(k, t, arch)
       return false, "dequant is e4m3 -> bf16 only: use w=e4m3, out=bf16, nmax=1, moe=0"
     end
     if k.cols % 32 ~= 0 then return false, "MXFP8 rows are blocks of 32: cols % 32 must be 0" end
-    if t.rpw ~= 1 or t.unroll ~= 1 or t.cvt ~= "alu" or t.pipe ~= 1 or t.tpc ~= 1 or t.lead ~= 0 then
-      return false, "dequant uses only the warps tile: rpw=1, unroll=1, cvt=alu, pipe=1, tpc=1, lead=0"
+    if t.rpw ~= 1 or t.unroll ~= 1 or t.cvt ~= "alu" or t.pipe ~= 1 or t.tpc ~= 1 or t.lead ~= 0 or t.lean ~= 0 then
+      return false, "dequant uses only the warps tile: rpw=1, unroll=1, cvt=alu, pipe=1, tpc=1, lead=0, lean=0"
     end
     return true
   end
@@ -169,6 +170,9 @@ function T.valid(k, t, arch)
   elseif t.tpc ~= 1 then
     return false, "tpc (tiles per CTA) is the cp.async ring's (pipe >= 3): tpc=1"
   end
+  if t.lean == 1 and (k.w ~= "e4m3" or t.pipe < 3) then
+    return false, "lean=1 is the W8A16 ring's compute (w=e4m3, pipe >= 3)"
+  end
   if t.cvt == "hw" and k.w ~= "e4m3" then return false, "cvt=hw decodes e4m3 weights only (cvt=alu)" end
   if t.cvt == "hw" and m3.sm(arch) < 89 then return false, "cvt.rn.f16x2.e4m3x2 needs sm_89+" end
   if k.w == "e4m3" and k.cols % 32 ~= 0 then return false, "MXFP8 rows are blocks of 32: cols % 32 must be 0" end
@@ -193,17 +197,17 @@ function T.valid(k, t, arch)
 end
 
 function T.default_tile(k, arch)
-  if k.op == "dequant" then return {warps = 8, rpw = 1, unroll = 1, cvt = "alu", pipe = 1, tpc = 1, lead = 0} end
-  if k.w == "f32" then return {warps = 4, rpw = 1, unroll = 4, cvt = "alu", pipe = 1, tpc = 1, lead = 0} end
+  if k.op == "dequant" then return {warps = 8, rpw = 1, unroll = 1, cvt = "alu", pipe = 1, tpc = 1, lead = 0, lean = 0} end
+  if k.w == "f32" then return {warps = 4, rpw = 1, unroll = 4, cvt = "alu", pipe = 1, tpc = 1, lead = 0, lean = 0} end
   if k.w == "e4m3" then
     -- The ring where the row fits it: device run 18's winner for the MoE gate|up
     -- and down and the 3072-column GEMV, 1.12-1.17x the pipe=1 tile.
     if (k.cols // 32) % 4 == 0 and k.cols // 32 >= 16 then
-      return {warps = 4, rpw = 1, unroll = 4, cvt = m3.sm(arch) >= 89 and "hw" or "alu", pipe = 3, tpc = 1, lead = 0}
+      return {warps = 4, rpw = 1, unroll = 4, cvt = m3.sm(arch) >= 89 and "hw" or "alu", pipe = 3, tpc = 1, lead = 0, lean = 0}
     end
-    return {warps = 8, rpw = 1, unroll = 4, cvt = "alu", pipe = 1, tpc = 1, lead = 0}
+    return {warps = 8, rpw = 1, unroll = 4, cvt = "alu", pipe = 1, tpc = 1, lead = 0, lean = 0}
   end
-  return {warps = 8, rpw = 2, unroll = 2, cvt = "alu", pipe = 1, tpc = 1, lead = 0}
+  return {warps = 8, rpw = 2, unroll = 2, cvt = "alu", pipe = 1, tpc = 1, lead = 0, lean = 0}
 end
 
 function T.variants(c)
@@ -628,43 +632,7 @@ M3_DEV void ring_issue(unsigned char *st, const unsigned char *wb, const unsigne
   }
 }
 
-/* One ring stage into the accumulators: blocks [b0, b0 + UNR) of the tile's
- * rows, decoded to fp16, two mma.m16n8k16 a block, scaled by the rows' E8M0. */
-M3_DEV void ring_compute(float (&acc)[RPW][4], const unsigned char *st, const uint4 *xs4, int b0, int g, int tq,
-                         int ntok) {
-  u32 sc[RPW][2][UNR / 4];
-#pragma unroll
-  for (int r = 0; r < RPW; r++)
-#pragma unroll
-    for (int h = 0; h < 2; h++)
-#pragma unroll
-      for (int j = 0; j < UNR / 4; j++)
-        sc[r][h][j] = *(const u32 *)(st + 16 * RPW * WSTR + (16 * r + 8 * h + g) * UNR + 4 * j);
-#pragma unroll
-  for (int u = 0; u < UNR; u++) {
-    const uint4 xv = g < ntok ? xs4[g * XS4 + 4 * (b0 + u) + tq] : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-    for (int r = 0; r < RPW; r++) {
-      const uint2 q0 = *(const uint2 *)(st + (16 * r + g) * WSTR + 32 * u + 8 * tq);
-      const uint2 q1 = *(const uint2 *)(st + (16 * r + 8 + g) * WSTR + 32 * u + 8 * tq);
-      u32 a0, a2, a1, a3, c0, c2, c1, c3;
-      e4m3_word_f16(q0.x, a0, a2);
-      e4m3_word_f16(q1.x, a1, a3);
-      e4m3_word_f16(q0.y, c0, c2);
-      e4m3_word_f16(q1.y, c1, c3);
-      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      mma16816(c, a0, a1, a2, a3, xv.x, xv.y);
-      mma16816(c, c0, c1, c2, c3, xv.z, xv.w);
-      const float s0 = e8m0_to_f32((sc[r][0][u / 4] >> (8 * (u % 4))) & 0xffu);
-      const float s1 = e8m0_to_f32((sc[r][1][u / 4] >> (8 * (u % 4))) & 0xffu);
-      acc[r][0] = ffma_rn(c[0], s0, acc[r][0]);
-      acc[r][1] = ffma_rn(c[1], s0, acc[r][1]);
-      acc[r][2] = ffma_rn(c[2], s1, acc[r][2]);
-      acc[r][3] = ffma_rn(c[3], s1, acc[r][3]);
-    }
-  }
-}
-#endif
+$ring_compute#endif
 
 /* One step of a warp's weights: blocks [b0, b0 + UNR) of its rows. */
 struct wstep {
@@ -808,11 +776,7 @@ $wait  /* Staged rows: the tokens (non-MoE), or the x rows of pairs xp0 .. xp0 +
     for (int i = tid; i < COLS / 8; i += WARPS * 32) {
       const uint4 v = xs4[t * XS4 + i];
       uint4 o;
-      o.x = f16x2_of(fmul_rn(bf16lo(v.x), xm), fmul_rn(bf16lo(v.y), xm));   /* dims 0, 2 */
-      o.y = f16x2_of(fmul_rn(bf16hi(v.x), xm), fmul_rn(bf16hi(v.y), xm));   /* dims 1, 3 */
-      o.z = f16x2_of(fmul_rn(bf16lo(v.z), xm), fmul_rn(bf16lo(v.w), xm));   /* dims 4, 6 */
-      o.w = f16x2_of(fmul_rn(bf16hi(v.z), xm), fmul_rn(bf16hi(v.w), xm));   /* dims 5, 7 */
-      xs4[t * XS4 + i] = o;
+$xstage      xs4[t * XS4 + i] = o;
     }
   }
   __syncthreads();
@@ -1061,6 +1025,140 @@ local EPI_TAIL = [==[
 ]==]
 local function epi(k) return k.act == "swiglu" or k.combine == 1 end
 
+-- The ring's compute, lean=0: as tuned up to session 24 (this text renders
+-- those records' code unchanged).
+local RING_COMPUTE = [==[
+/* One ring stage into the accumulators: blocks [b0, b0 + UNR) of the tile's
+ * rows, decoded to fp16, two mma.m16n8k16 a block, scaled by the rows' E8M0. */
+M3_DEV void ring_compute(float (&acc)[RPW][4], const unsigned char *st, const uint4 *xs4, int b0, int g, int tq,
+                         int ntok) {
+  u32 sc[RPW][2][UNR / 4];
+#pragma unroll
+  for (int r = 0; r < RPW; r++)
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+      for (int j = 0; j < UNR / 4; j++)
+        sc[r][h][j] = *(const u32 *)(st + 16 * RPW * WSTR + (16 * r + 8 * h + g) * UNR + 4 * j);
+#pragma unroll
+  for (int u = 0; u < UNR; u++) {
+    const uint4 xv = g < ntok ? xs4[g * XS4 + 4 * (b0 + u) + tq] : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int r = 0; r < RPW; r++) {
+      const uint2 q0 = *(const uint2 *)(st + (16 * r + g) * WSTR + 32 * u + 8 * tq);
+      const uint2 q1 = *(const uint2 *)(st + (16 * r + 8 + g) * WSTR + 32 * u + 8 * tq);
+      u32 a0, a2, a1, a3, c0, c2, c1, c3;
+      e4m3_word_f16(q0.x, a0, a2);
+      e4m3_word_f16(q1.x, a1, a3);
+      e4m3_word_f16(q0.y, c0, c2);
+      e4m3_word_f16(q1.y, c1, c3);
+      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma16816(c, a0, a1, a2, a3, xv.x, xv.y);
+      mma16816(c, c0, c1, c2, c3, xv.z, xv.w);
+      const float s0 = e8m0_to_f32((sc[r][0][u / 4] >> (8 * (u % 4))) & 0xffu);
+      const float s1 = e8m0_to_f32((sc[r][1][u / 4] >> (8 * (u % 4))) & 0xffu);
+      acc[r][0] = ffma_rn(c[0], s0, acc[r][0]);
+      acc[r][1] = ffma_rn(c[1], s0, acc[r][1]);
+      acc[r][2] = ffma_rn(c[2], s1, acc[r][2]);
+      acc[r][3] = ffma_rn(c[3], s1, acc[r][3]);
+    }
+  }
+}
+]==]
+local XSTAGE = [==[
+      o.x = f16x2_of(fmul_rn(bf16lo(v.x), xm), fmul_rn(bf16lo(v.y), xm));   /* dims 0, 2 */
+      o.y = f16x2_of(fmul_rn(bf16hi(v.x), xm), fmul_rn(bf16hi(v.y), xm));   /* dims 1, 3 */
+      o.z = f16x2_of(fmul_rn(bf16lo(v.z), xm), fmul_rn(bf16lo(v.w), xm));   /* dims 4, 6 */
+      o.w = f16x2_of(fmul_rn(bf16hi(v.z), xm), fmul_rn(bf16hi(v.w), xm));   /* dims 5, 7 */
+]==]
+-- lean=1 (device run 51's ncu of the MoE down GEMV: 8.5 weight bytes an
+-- instruction, 2 warps a scheduler, no eligible warp half the cycles, so
+-- every instruction of the chain shows): per 16 x 32 block a lane spent 8
+-- cvt, 4 prmt, 2 x 7 on its two E8M0 scales (shift, mask, the 0 and 255
+-- selects) and 4 FFMA, 2 of them on token columns a one-token launch
+-- leaves empty.  Here: with cvt=hw the dims pair as they lie ((0,1), (2,3):
+-- cvt reads a register's high half, no prmt; x is staged in that order);
+-- a scale is two instructions (its byte moved to the exponent field) unless
+-- a lane's scale words hold a 0x00 or 0xff code, when the warp takes the
+-- select path for the whole stage (same values either way); one-token
+-- launches (MoE, nmax=1) FMA only the token-0 columns.
+local RING_COMPUTE_LEAN = [==[
+#define ONE_TOK (MOE || NMAX == 1)
+/* e4m3 bytes b0..b3 -> f16x2 (b0, b1), (b2, b3) */
+M3_DEV void e4m3_word_f16_nat(u32 w, u32 &p01, u32 &p23) {
+#if defined(__CUDA_ARCH__) && CVT_NAT
+  asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %2; cvt.rn.f16x2.e4m3x2 %0, lo; cvt.rn.f16x2.e4m3x2 %1, hi; }"
+      : "=r"(p01), "=r"(p23) : "r"(w));
+#elif CVT_NAT
+  u32 a, b;   /* the emulator: e4m3_word_f16 pairs (0,2), (1,3); re-pair its halves */
+  e4m3_word_f16(w, a, b);
+  p01 = (a & 0xffffu) | (b << 16);
+  p23 = (a >> 16) | (b & 0xffff0000u);
+#else
+  e4m3_word_f16(w, p01, p23);   /* cvt=alu: its own pairing (0,2), (1,3), x staged so */
+#endif
+}
+/* 2^(s - 127) for an E8M0 code s = byte k of w, s not 0 or 255 */
+M3_DEV float e8m0_byte(u32 w, int k) {
+  return __uint_as_float((k == 3 ? w >> 1 : w << (23 - 8 * k)) & 0x7f800000u);
+}
+/* nonzero when a byte of w is 0x00 or 0xff (codes 2^-127 and NaN: the select path) */
+M3_DEV u32 e8m0_edge(u32 w) { return ((w - 0x01010101u) & ~w & 0x80808080u) | ((~w - 0x01010101u) & w & 0x80808080u); }
+template <bool EDGE>
+M3_DEV void ring_mma(float (&acc)[RPW][4], const unsigned char *st, const uint4 *xs4, int b0, int g, int tq, int ntok,
+                     const u32 (&sc)[RPW][2][UNR / 4]) {
+#pragma unroll
+  for (int u = 0; u < UNR; u++) {
+    const uint4 xv = g < ntok ? xs4[g * XS4 + 4 * (b0 + u) + tq] : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int r = 0; r < RPW; r++) {
+      const uint2 q0 = *(const uint2 *)(st + (16 * r + g) * WSTR + 32 * u + 8 * tq);
+      const uint2 q1 = *(const uint2 *)(st + (16 * r + 8 + g) * WSTR + 32 * u + 8 * tq);
+      u32 a0, a2, a1, a3, c0, c2, c1, c3;
+      e4m3_word_f16_nat(q0.x, a0, a2);
+      e4m3_word_f16_nat(q1.x, a1, a3);
+      e4m3_word_f16_nat(q0.y, c0, c2);
+      e4m3_word_f16_nat(q1.y, c1, c3);
+      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma16816(c, a0, a1, a2, a3, xv.x, xv.y);
+      mma16816(c, c0, c1, c2, c3, xv.z, xv.w);
+      const u32 w0 = sc[r][0][u / 4], w1 = sc[r][1][u / 4];
+      const float s0 = EDGE ? e8m0_to_f32((w0 >> (8 * (u % 4))) & 0xffu) : e8m0_byte(w0, u % 4);
+      const float s1 = EDGE ? e8m0_to_f32((w1 >> (8 * (u % 4))) & 0xffu) : e8m0_byte(w1, u % 4);
+      acc[r][0] = ffma_rn(c[0], s0, acc[r][0]);
+      acc[r][2] = ffma_rn(c[2], s1, acc[r][2]);
+      if (!ONE_TOK) {
+        acc[r][1] = ffma_rn(c[1], s0, acc[r][1]);
+        acc[r][3] = ffma_rn(c[3], s1, acc[r][3]);
+      }
+    }
+  }
+}
+/* One ring stage into the accumulators (lean=1): as lean=0's, see above. */
+M3_DEV void ring_compute(float (&acc)[RPW][4], const unsigned char *st, const uint4 *xs4, int b0, int g, int tq,
+                         int ntok) {
+  u32 sc[RPW][2][UNR / 4], edge = 0u;
+#pragma unroll
+  for (int r = 0; r < RPW; r++)
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+      for (int j = 0; j < UNR / 4; j++) {
+        sc[r][h][j] = *(const u32 *)(st + 16 * RPW * WSTR + (16 * r + 8 * h + g) * UNR + 4 * j);
+        edge |= e8m0_edge(sc[r][h][j]);
+      }
+  if (__any_sync(FULL, edge != 0u)) ring_mma<true>(acc, st, xs4, b0, g, tq, ntok, sc);
+  else ring_mma<false>(acc, st, xs4, b0, g, tq, ntok, sc);
+}
+]==]
+-- lean=1 with cvt=hw: x in the dims' own pairs (0,1), (2,3), (4,5), (6,7).
+local XSTAGE_NAT = [==[
+      o.x = f16x2_of(fmul_rn(bf16lo(v.x), xm), fmul_rn(bf16hi(v.x), xm));   /* dims 0, 1 */
+      o.y = f16x2_of(fmul_rn(bf16lo(v.y), xm), fmul_rn(bf16hi(v.y), xm));   /* dims 2, 3 */
+      o.z = f16x2_of(fmul_rn(bf16lo(v.z), xm), fmul_rn(bf16hi(v.z), xm));   /* dims 4, 5 */
+      o.w = f16x2_of(fmul_rn(bf16lo(v.w), xm), fmul_rn(bf16hi(v.w), xm));   /* dims 6, 7 */
+]==]
+
 local WAIT_OPEN = "M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */"
 local LEAD_OPEN = "M3_LEAD_IN; /* the weights only until the wait (lib/lead.lua) */"
 local LEAD_WAIT = "  M3_GRID_WAIT(); /* x is the previous kernel's output */\n"
@@ -1078,6 +1176,9 @@ function T.render(k, t, arch, sym)
       wlog2 = t.cvt == "hw" and 0 or 8, stage = ring_stage(t), tpc = t.tpc, sym = sym,
       open = t.lead == 1 and LEAD_OPEN or WAIT_OPEN, wait = t.lead == 1 and LEAD_WAIT or "",
       fused_defs = fused_defs(k),
+      ring_compute = t.lean == 1 and ("#define CVT_NAT " .. (t.cvt == "hw" and 1 or 0) .. "\n" .. RING_COMPUTE_LEAN)
+        or RING_COMPUTE,
+      xstage = (t.lean == 1 and t.cvt == "hw") and XSTAGE_NAT or XSTAGE,
       params = k.act == "swiglu" and EPI_PARAMS.act or (k.combine == 1 and EPI_PARAMS.combine or ""),
       badpair = epi(k) and EPI_BADPAIR or BADPAIR,
       epi_multi = epi(k) and EPI_MULTI or "", epi_tail = epi(k) and EPI_TAIL or "",

@@ -836,10 +836,10 @@ END_TEST
  * other: there this checks the arithmetic only). */
 START_TEST(gemv_lead_reads_x_after_the_wait) {
   static const struct { int64_t rows, cols; const char *tile; } L[] = {
-      {9856, 6144, "warps=8,rpw=1,unroll=8,cvt=hw,pipe=4,tpc=0,lead=1"},
-      {6144, 8192, "warps=4,rpw=1,unroll=4,cvt=hw,pipe=4,tpc=1,lead=1"},
-      {6144, 12288, "warps=8,rpw=1,unroll=8,cvt=hw,pipe=3,tpc=3,lead=1"},
-      {6144, 3072, "warps=4,rpw=2,unroll=4,cvt=hw,pipe=4,tpc=1,lead=1"}};
+      {9856, 6144, "warps=8,rpw=1,unroll=8,cvt=hw,pipe=4,tpc=0,lead=1,lean=0"},
+      {6144, 8192, "warps=4,rpw=1,unroll=4,cvt=hw,pipe=4,tpc=1,lead=1,lean=0"},
+      {6144, 12288, "warps=8,rpw=1,unroll=8,cvt=hw,pipe=3,tpc=3,lead=1,lean=0"},
+      {6144, 3072, "warps=4,rpw=2,unroll=4,cvt=hw,pipe=4,tpc=1,lead=1,lean=0"}};
   const int64_t rows = real_rows(L[_i].rows), cols = L[_i].cols;
   m3_rng r = rng_for(4242 + (uint64_t)_i);
   uint8_t *q, *sc;
@@ -867,6 +867,11 @@ END_TEST
 
 /* tpc 1 (a loop of its own), 8 and 0 (the multi-tile loop: fixed, balanced) */
 static int tpc_0_1_or_8(const char *t) { return strstr(t, "tpc=0") || strstr(t, "tpc=1") || strstr(t, "tpc=8"); }
+/* ... and on the emulator, of the lean=1 tiles (the same compute at every
+ * warps count) only the 2-warp ones: the rest ran 15 minutes more in CI. */
+static int every_tile(const char *t) {
+  return tpc_0_1_or_8(t) && (!g_emu || !strstr(t, "lean=1") || strstr(t, "warps=2,"));
+}
 
 /* The valid tiles of a's GEMV key at nmax that keep() takes (at least
  * min_n), compiled into the cubin cache; free(*tiles) after. */
@@ -886,7 +891,7 @@ START_TEST(gemv_every_tile) {
   const int wfmt = _i;
   m3_gemv_args a = {.n = 3, .rows = 1025, .cols = 1024, .wfmt = wfmt, .out_f32 = wfmt == M3_GEMV_F32};
   char (*tiles)[256];
-  const int n = gemv_case_tiles(&a, 4, tpc_0_1_or_8, 1, &tiles); /* gemv_ring_real_cols runs tpc 2 and 3 */
+  const int n = gemv_case_tiles(&a, 4, every_tile, 1, &tiles); /* gemv_ring_real_cols runs tpc 2 and 3 */
   for (int i = 0; i < n; i++) run_gemv(wfmt, 3, 1025, 1024, tiles[i]);
   free(tiles);
 }
@@ -1079,7 +1084,7 @@ END_TEST
 START_TEST(gemv_moe_every_tile) {
   m3_gemv_args a = {.n = 8, .rows = 515, .cols = 1024, .wfmt = M3_GEMV_E4M3, .moe = 1, .xdiv = 4, .n_experts = 5};
   char (*tiles)[256];
-  const int n = gemv_case_tiles(&a, 1, tpc_0_1_or_8, 1, &tiles);
+  const int n = gemv_case_tiles(&a, 1, every_tile, 1, &tiles);
   for (int i = 0; i < n; i++) run_gemv_moe(1, 5, 2, 4, 515, 1024, 4, tiles[i], i % 2);
   free(tiles);
 }
@@ -1109,6 +1114,73 @@ static int ring_tile(const char *t) {
          strstr(t, "warps=4,rpw=1,unroll=4,cvt=hw,pipe=4,tpc=3") || strstr(t, "warps=4,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=0") ||
          strstr(t, "warps=2,rpw=2,unroll=4,cvt=hw,pipe=4,tpc=0");
 }
+
+/* E8M0 codes 0 (2^-127) and 255 (NaN, OCP MX) in the W8A16 ring: lean=1
+ * decodes a scale in two instructions and sends a warp's stage through the
+ * selects only where its scale words hold one of them (templates/mxfp8.lua,
+ * RING_COMPUTE_LEAN); the random weights of the other tests never do.  Rows
+ * r % 7 == 3 get a 255 in one block (their outputs must be NaN, as the
+ * reference's: the two-instruction decode would give +-Inf), rows r % 5 == 1
+ * a 0; the other rows' outputs against the reference, rel. L2 <= 1e-2. */
+static void run_gemv_edge(int64_t n, int64_t rows, int64_t cols, const char *tile) {
+  m3_rng r = rng_for((uint64_t)n * 31 + (uint64_t)rows * 7 + (uint64_t)cols + 555);
+  m3_bf16 *x = rand_bf16(&r, (size_t)n * cols, 1.0f);
+  uint8_t *q, *s;
+  rand_mxfp8(&r, rows, cols, &q, &s, 0);
+  const int64_t nb = cols / 32;
+  for (int64_t row = 0; row < rows; row++) {
+    if (row % 7 == 3) s[row * nb + (row * 5) % nb] = 255;
+    if (row % 5 == 1) s[row * nb + (row * 3 + 1) % nb] = 0;
+  }
+  m3_err e;
+  m3_bf16 *yref = malloc(sizeof *yref * (size_t)n * rows);
+  ck_assert_int_eq(m3_ref_gemm_w8a16(n, rows, cols, x, q, s, yref, &e), M3_OK);
+  void *d_x = dup(x, sizeof *x * (size_t)n * cols), *d_w = dup(q, (size_t)rows * cols);
+  void *d_s = dup(s, (size_t)rows * nb), *d_y = dpoison((size_t)n * rows * 2);
+  m3_gemv_args a = {.n = n, .rows = rows, .cols = cols, .wfmt = M3_GEMV_E4M3};
+  m3_variant v;
+  ck_assert_int_eq(m3_gemv_key(&a, n, &v, &e), M3_OK);
+  m3_kernel *k = kern(&v, tile);
+  char ctx[1400];
+  ctx_of(k, "gemv E8M0 0/255", ctx, sizeof ctx);
+  GPU_CHECK(m3_launch_gemv(k, &a, d_x, d_w, d_s, d_y, g_rt.stream, &e_));
+  sync_ok();
+  m3_bf16 *y = down(d_y, (size_t)n * rows * 2);
+  size_t nan_rows = 0;
+  for (int64_t t = 0; t < n; t++)
+    for (int64_t row = 0; row < rows; row++) {
+      const size_t i = (size_t)(t * rows + row);
+      const int want_nan = row % 7 == 3;
+      ck_assert_msg(isnan(m3_bf16_to_f32(yref[i])) == want_nan, "%s: the reference's row %lld", ctx, (long long)row);
+      ck_assert_msg(isnan(m3_bf16_to_f32(y[i])) == want_nan, "%s: token %lld row %lld is %g, reference %g", ctx,
+                    (long long)t, (long long)row, m3_bf16_to_f32(y[i]), m3_bf16_to_f32(yref[i]));
+      if (want_nan) y[i] = yref[i] = 0, nan_rows++;
+    }
+  ck_assert_uint_gt(nan_rows, 0);
+  expect_rel(ctx, y, yref, (size_t)n * rows, 1e-2);
+  m3_dev_free(d_x); m3_dev_free(d_w); m3_dev_free(d_s); m3_dev_free(d_y);
+  free(x); free(q); free(s); free(yref); free(y);
+}
+
+/* Every ring tile with tpc 0, 1 or 8, lean 0 and 1, one token (the one-token
+ * FMAs of lean=1) and two; the emulator: both cvts of lean=1 and one lean=0. */
+static int edge_tile(const char *t) {
+  if (!strstr(t, "pipe=3") && !strstr(t, "pipe=4")) return 0;
+  if (!tpc_0_1_or_8(t)) return 0;
+  return !g_emu || strstr(t, "warps=2,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=8,lead=0,lean=1") ||
+         strstr(t, "warps=4,rpw=1,unroll=8,cvt=alu,pipe=4,tpc=1,lead=0,lean=1") ||
+         strstr(t, "warps=2,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=0,lead=0,lean=0");
+}
+
+START_TEST(gemv_e8m0_edge_codes) {
+  const int64_t n = 1 + _i;
+  m3_gemv_args a = {.n = n, .rows = 300, .cols = 1024, .wfmt = M3_GEMV_E4M3};
+  char (*tiles)[256];
+  const int nt = gemv_case_tiles(&a, (int)n, edge_tile, 3, &tiles);
+  for (int i = 0; i < nt; i++) run_gemv_edge(n, 300, 1024, tiles[i]);
+  free(tiles);
+}
+END_TEST
 
 START_TEST(gemv_ring_real_cols) {
   const int64_t cols = _i ? 3072 : 6144;
@@ -1567,6 +1639,7 @@ static Suite *make(void) {
   tcase_add_test(c[9].tc, gemv_moe_every_tile);
   tcase_add_loop_test(c[11].tc, gemv_moe_epilogues, 0, 2);
   tcase_add_loop_test(c[10].tc, gemv_ring_real_cols, 0, 2);
+  tcase_add_loop_test(c[10].tc, gemv_e8m0_edge_codes, 0, 2);
   tcase_add_loop_test(c[6].tc, cublas_gemm, 0, 4);
   tcase_add_loop_test(c[7].tc, moe_end_to_end, 0, 10);
   tcase_add_test(c[7].tc, moe_uses_tuned_record);

@@ -1,0 +1,106 @@
+#!/bin/sh
+# gemv_ablate.sh - where the W8A16 (MXFP8) MoE GEMV's time goes, without
+# hardware counters (METHOD.md: time variants that leave one stage out, take
+# differences).  For each case (a bench row and a tile) and each variant it
+# renders templates/mxfp8.lua with that tile as the e4m3 ring's default and,
+# for the ablations, one part of the ring's compute (ring_compute) cut out,
+# and times `m3kit bench --only ffn` on that one row with no tuning DB.
+#
+#   sh gemv_ablate.sh [--rounds N] [--out DIR] [--m3kit PATH] [--templates DIR] [--dry-run]
+#
+# --out defaults to $OUT/gemv-ablate ($OUT: /tmp/out); --dry-run compiles every
+# variant (m3kit gen --compile, NVRTC, no GPU) instead of timing it.  Results:
+# DIR/ablate.tsv (round, case, variant, tile, median us, GB/s, % of copy).
+#
+# Variants (VARIANTS="..." picks; default all):
+#   full       the case's tile as it is
+#   noscale    the E8M0 scales are neither read from the ring nor decoded (1.0)
+#   nocvt      the e4m3 bytes go to the mma as they are (no cvt to fp16)
+#   nocompute  ring_compute reads one word of its stage and nothing else: the
+#              cp.async ring, its waits and the loop alone
+#   lean       the case's tile with lean=1 (fewer instructions a block)
+# The three ablations compute wrong answers: this measures time only.
+# Cases: CASES="name:bench row:tile;..." (tile: every tile axis); default: the
+# sm_90 seed's MoE down (rpw=2, tpc=4, pinned) and gate|up tiles (session 25).
+set -u
+rounds=1 dry=0 out=${OUT:-/tmp/out}/gemv-ablate m3kit=./m3kit tdir=./templates
+need() { [ $# -ge 2 ] || { echo "gemv_ablate.sh: $1 needs a value" >&2; exit 2; }; }
+while [ $# -gt 0 ]; do
+  case $1 in
+    --rounds) need "$@"; rounds=$2; shift 2;;
+    --out) need "$@"; out=$2; shift 2;;
+    --m3kit) need "$@"; m3kit=$2; shift 2;;
+    --templates) need "$@"; tdir=$2; shift 2;;
+    --dry-run) dry=1; shift;;
+    -h|--help) sed -n '2,/^[^#]/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0;;
+    *) echo "gemv_ablate.sh: unknown option $1" >&2; exit 2;;
+  esac
+done
+[ -f "$tdir/mxfp8.lua" ] || { echo "gemv_ablate.sh: no $tdir/mxfp8.lua" >&2; exit 2; }
+mkdir -p "$out"
+cases=${CASES:-"down:W8A16 moe down:warps=4,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=4,lead=0,lean=0;gateup:W8A16 moe gate|up:warps=4,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=1,lead=0,lean=0"}
+variants=${VARIANTS:-"full lean noscale nocvt nocompute"}
+
+lua_tile() { echo "$1" | tr ',' '\n' | sed -E 's/^([a-z]+)=([0-9]+)$/\1 = \2/; s/^([a-z]+)=([a-z0-9]+)$/\1 = "\2"/' | paste -sd, - | sed 's/,/, /g'; }
+
+# make_dir NAME TILE ABLATION: a templates copy whose e4m3 ring default is TILE, with the ablation applied
+make_dir() {
+  d=$out/tpl-$1
+  rm -rf "$d" && cp -r "$tdir" "$d"
+  python3 - "$d/mxfp8.lua" "$(lua_tile "$2")" "$3" <<'PY' || return 1
+import re, sys
+p, tile, abl = sys.argv[1:4]
+s = open(p).read()
+def sub(pat, rep, txt, what):
+    t, n = re.subn(pat, rep, txt)
+    if n == 0: sys.exit("gemv_ablate.sh: %s not found in %s" % (what, p))
+    return t
+s = sub(r'      return \{warps = 4, rpw = 1, unroll = 4, cvt = m3\.sm\(arch\) >= 89 and "hw" or "alu", pipe = 3, tpc = 1, lead = 0, lean = 0\}',
+        '      return {%s}' % tile, s, "the e4m3 ring's default_tile")
+a = s.index("M3_DEV void ring_compute(")
+b = s.index("\n}\n", a) + 3
+f = s[a:b]
+if abl == "noscale":
+    f = sub(r"const float (s[01]) = e8m0_to_f32\([^;]*;", r"const float \1 = 1.0f;", f, "the scales")
+elif abl == "nocvt":
+    f = sub(r"e4m3_word_f16\((q[01]\.[xy]), (\w+), (\w+)\);", r"\2 = \1; \3 = \1 >> 8;", f, "the cvts")
+elif abl == "nocompute":
+    head = f[:f.index("{") + 1]
+    f = (head + "\n  (void)xs4; (void)b0; (void)g; (void)tq; (void)ntok;\n"
+         "  acc[0][0] += __uint_as_float(*(const u32 *)(st + 4 * (threadIdx.x & 31)) & 0x3fffffffu);\n}\n")
+s = s[:a] + f + s[b:]
+open(p, "w").write(s)
+PY
+  echo "$d"
+}
+
+res=$out/ablate.tsv
+printf 'round\tcase\tvariant\ttile\tmedian_us\tGB/s\tpct_copy\n' > "$res"
+for r in $(seq 1 "$rounds"); do
+  echo "$cases" | tr ';' '\n' | while IFS=: read -r nm row tile; do
+    [ -n "$nm" ] || continue
+    for v in $variants; do
+      case $v in full|noscale|nocvt|nocompute) t=$tile;; lean) t=$(echo "$tile" | sed 's/lean=0/lean=1/');;
+        *) echo "gemv_ablate.sh: unknown variant $v" >&2; exit 2;; esac
+      d=$(make_dir "$v-$nm" "$t" "$v") || continue
+      log=$out/bench-$v-$nm-$r.log
+      if [ "$dry" = 1 ]; then
+        cols=6144; [ "$nm" = down ] && cols=3072
+        M3KIT_TEMPLATE_DIR=$d "$m3kit" gen --compile \
+          "mxfp8(op=gemv,w=e4m3,out=bf16,cols=$cols,nmax=1,moe=1,act=none,alpha_e6=0,limit_e6=0,beta_e6=0,combine=0)[$t]@sm_90" \
+          > "$log" 2>&1
+        printf '%s\t%s\t%s\t%s\tcompile rc=%s\t\t\n' "$r" "$nm" "$v" "$t" "$?" | tee -a "$res"
+        continue
+      fi
+      M3KIT_TEMPLATE_DIR=$d M3KIT_SEED_DB=/nonexistent M3KIT_CACHE_DIR=${M3KIT_CACHE_DIR:-/tmp/m3kit-cache}-gemv-ablate \
+        M3KIT_BENCH_CASE="$row" timeout 120 "$m3kit" bench --only ffn > "$log" 2>&1
+      rc=$?
+      line=$(grep -F "ffn  $row, " "$log" | head -n 1)
+      med=$(echo "$line" | sed -nE 's/.* median +([0-9.]+) us.*/\1/p')
+      gbs=$(echo "$line" | sed -nE 's/.*\) +([0-9]+) GB\/s.*/\1/p')
+      pct=$(echo "$line" | sed -nE 's/.* ([0-9.]+)% of .*/\1/p')
+      printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$r" "$nm" "$v" "$t" "${med:-no row (bench rc=$rc, see $log)}" "${gbs:-}" \
+        "${pct:-}" | tee -a "$res"
+    done
+  done
+done
