@@ -570,6 +570,7 @@ M3_DEV void warp_rank_top_shfl(const u64 *cand, int n, int K, int *out_s) {
     } else {
 ]],
     count_init = [[
+    __syncwarp(); /* the lanes' s_sv entries, before other lanes read them (racecheck, device run 53) */
     int nc = nsv > SVCAP ? CAP + 1 : 0; /* too many survivors: the exact path below */
 ]],
     push = [[

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""rekey.py DB OLD_TEMPLATE_DIR [--m3kit PATH] [--dry-run] - carry tuning records across a template
+"""rekey.py DB OLD_TEMPLATE_DIR [--m3kit PATH] [--dry-run] [--carry-fix WHY] - carry tuning records across a template
 edit that did not change the machine code they timed.
 
 A record is kept by the runtime while the code hash of its tile matches (docs/tuning-db.md).  Some
@@ -14,6 +14,11 @@ the kernel's name (every ELF section but the symbol and name tables: instruction
 parameter metadata, constants, relocations) re-keys the record: tile (and its candidates'
 and default's) completed, template_hash and code_hash of the new rendering, a note appended to
 provenance.command.  Records whose code did change are left stale: they need `m3kit tune`.
+
+--carry-fix WHY also keeps those, for an edit that must land before a GPU of that kind can re-time
+them and cannot change their ranking (a correctness fix of one instruction in a path every
+candidate shares): each gets the new hashes, WHY in a `carried` field (the runtime ignores it; `m3kit
+tune` replaces the record) and a note in provenance.command.  Its timings are then the old code's.
 DB is rewritten as tools/tunedb_file.py writes it (the seed's layout; at a symlink's target, under the
 tuners' lock, through a temporary file and a rename).
 """
@@ -121,6 +126,12 @@ def main():
         if i + 1 >= len(args):
             sys.exit('rekey.py: --m3kit needs the path of an m3kit binary')
         m3kit = args[i + 1]; del args[i:i + 2]
+    carry = None
+    if '--carry-fix' in args:
+        i = args.index('--carry-fix')
+        if i + 1 >= len(args) or not args[i + 1].strip():
+            sys.exit('rekey.py: --carry-fix needs the reason (it is written into every record it carries)')
+        carry = args[i + 1]; del args[i:i + 2]
     if len(args) != 2:
         sys.exit(__doc__)
     if not os.path.isdir(os.path.join(args[1], '.')) or not any(f.endswith('.lua') for f in os.listdir(args[1])):
@@ -141,7 +152,7 @@ def main():
         if h:
             SCHEME = h.split(':')[0]
             break
-    counts = {'current': 0, 'rekeyed': 0, 'changed': 0, 'was stale': 0}
+    counts = {'current': 0, 'rekeyed': 0, 'carried': 0, 'changed': 0, 'was stale': 0}
     for r in d['records']:
         name = r['key'].split('(', 1)[0]
         full = '%s[%s]@%s' % (r['key'], r['tile'], r['arch'])
@@ -212,11 +223,23 @@ def main():
             print('re-keyed (%s): %s [%s] -> %s[%s]' % (how, old_key, old_tile, '' if key_new == old_key else key_new, tile))
             done = True
             break
+        if not done and carry and not missing and key_new == r['key']:
+            new_code = code_hash(m3kit, env_new, full)
+            if new_code:
+                prov['template_hash'] = new[name][0]
+                prov['code_hash'] = new_code
+                r['carried'] = carry
+                note = ' (carried by tools/rekey.py --carry-fix across a code change, not re-timed: %s)' % carry
+                if note not in prov.get('command', ''):
+                    prov['command'] = prov.get('command', '') + note
+                counts['carried'] += 1
+                print('carried (code changed, not re-timed): %s [%s]' % (r['key'], r['tile']))
+                done = True
         if not done:
             counts['changed'] += 1
             print('changed: %s [%s] (its code differs: re-tune it)' % (r['key'], r['tile']))
     print('%s: %s' % (db_path, ', '.join('%d %s' % (n, k) for k, n in counts.items())))
-    if dry or not counts['rekeyed']:
+    if dry or not (counts['rekeyed'] or counts['carried']):
         return
     tunedb_file.write(db_path, mode, d)
 
