@@ -24,24 +24,13 @@
 # sm_90 seed's MoE down (rpw=2, tpc=4, pinned) and gate|up tiles (session 25).
 set -u
 rounds=1 dry=0 out=${OUT:-/tmp/out}/gemv-ablate m3kit=./m3kit tdir=./templates
-need() { [ $# -ge 2 ] || { echo "gemv_ablate.sh: $1 needs a value" >&2; exit 2; }; }
-while [ $# -gt 0 ]; do
-  case $1 in
-    --rounds) need "$@"; rounds=$2; shift 2;;
-    --out) need "$@"; out=$2; shift 2;;
-    --m3kit) need "$@"; m3kit=$2; shift 2;;
-    --templates) need "$@"; tdir=$2; shift 2;;
-    --dry-run) dry=1; shift;;
-    -h|--help) sed -n '2,/^[^#]/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0;;
-    *) echo "gemv_ablate.sh: unknown option $1" >&2; exit 2;;
-  esac
-done
+me=gemv_ablate.sh
+. "$(dirname "$0")/ablate_common.sh"
 [ -f "$tdir/mxfp8.lua" ] || { echo "gemv_ablate.sh: no $tdir/mxfp8.lua" >&2; exit 2; }
 mkdir -p "$out"
 cases=${CASES:-"down:W8A16 moe down:warps=4,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=4,lead=0,lean=0;gateup:W8A16 moe gate|up:warps=4,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=1,lead=0,lean=0"}
 variants=${VARIANTS:-"full lean noscale nocvt nocompute"}
 
-lua_tile() { echo "$1" | tr ',' '\n' | sed -E 's/^([a-z]+)=([0-9]+)$/\1 = \2/; s/^([a-z]+)=([a-z0-9]+)$/\1 = "\2"/' | paste -sd, - | sed 's/,/, /g'; }
 
 # make_dir NAME TILE ABLATION: a templates copy whose e4m3 ring default is TILE, with the ablation applied
 make_dir() {
@@ -57,17 +46,22 @@ def sub(pat, rep, txt, what):
     return t
 s = sub(r'      return \{warps = 4, rpw = 1, unroll = 4, cvt = m3\.sm\(arch\) >= 89 and "hw" or "alu", pipe = 3, tpc = 1, lead = 0, lean = 0\}',
         '      return {%s}' % tile, s, "the e4m3 ring's default_tile")
-a = s.index("M3_DEV void ring_compute(")
-b = s.index("\n}\n", a) + 3
+# lean=0's ring compute: RING_COMPUTE, header text .. ring_step(decoder, scale lines) .. "}"
+a = s.index("local RING_COMPUTE = [==[")
+b = s.index(']==]) .. "}\\n"\n', a) + len(']==]) .. "}\\n"\n')
 f = s[a:b]
 if abl == "noscale":
     f = sub(r"const float (s[01]) = e8m0_to_f32\([^;]*;", r"const float \1 = 1.0f;", f, "the scales")
 elif abl == "nocvt":
-    f = sub(r"e4m3_word_f16\((q[01]\.[xy]), (\w+), (\w+)\);", r"\2 = \1; \3 = \1 >> 8;", f, "the cvts")
+    f = sub(r'ring_step\("e4m3_word_f16", ', 'ring_step("E4M3_RAW", ', f, "the decoder")
+    f = f.replace("local RING_COMPUTE = [==[\n", "local RING_COMPUTE = [==[\n#define E4M3_RAW(w, x, y) ((x) = (w), (y) = (w) >> 8)\n", 1)
 elif abl == "nocompute":
-    head = f[:f.index("{") + 1]
-    f = (head + "\n  (void)xs4; (void)b0; (void)g; (void)tq; (void)ntok;\n"
-         "  acc[0][0] += __uint_as_float(*(const u32 *)(st + 4 * (threadIdx.x & 31)) & 0x3fffffffu);\n}\n")
+    f = ("local RING_COMPUTE = [==[\n"
+         "M3_DEV void ring_compute(float (&acc)[RPW][4], const unsigned char *st, const uint4 *xs4, int b0, int g, int tq,\n"
+         "                         int ntok) {\n"
+         "  (void)xs4; (void)b0; (void)g; (void)tq; (void)ntok;\n"
+         "  acc[0][0] += __uint_as_float(*(const u32 *)(st + 4 * (threadIdx.x & 31)) & 0x3fffffffu);\n"
+         "}\n]==]\n")
 s = s[:a] + f + s[b:]
 open(p, "w").write(s)
 PY

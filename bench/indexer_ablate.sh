@@ -28,26 +28,14 @@
 # sm_90 seed's tiles of bf16 8K, 128K and 1M and e4m3 1M (session 24).
 set -u
 rounds=1 dry=0 out=${OUT:-/tmp/out}/ablate m3kit=./m3kit tdir=./templates
-need() { [ $# -ge 2 ] || { echo "indexer_ablate.sh: $1 needs a value" >&2; exit 2; }; }
-while [ $# -gt 0 ]; do
-  case $1 in
-    --rounds) need "$@"; rounds=$2; shift 2;;
-    --out) need "$@"; out=$2; shift 2;;
-    --m3kit) need "$@"; m3kit=$2; shift 2;;
-    --templates) need "$@"; tdir=$2; shift 2;;
-    --dry-run) dry=1; shift;;
-    -h|--help) sed -n '2,/^[^#]/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0;;
-    *) echo "indexer_ablate.sh: unknown option $1" >&2; exit 2;;
-  esac
-done
+me=indexer_ablate.sh
+. "$(dirname "$0")/ablate_common.sh"
 [ -f "$tdir/index_decode.lua" ] || { echo "indexer_ablate.sh: no $tdir/index_decode.lua" >&2; exit 2; }
 mkdir -p "$out"
 cases=${CASES:-"bf16:8192:warps=4,depth=2,waves=2,chunk=32,cvt=alu,lead=2;bf16:131072:warps=4,depth=2,waves=1,chunk=8,cvt=alu,lead=2;bf16:1048576:warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=2;e4m3:1048576:warps=4,depth=2,waves=1,chunk=16,cvt=hw,lead=2"}
 merge=${MERGE:-acqrel}
 variants=${VARIANTS:-"fence acqrel lead2 both nomerge handover noscore empty"}
 
-# tile as a Lua table literal: warps=8,cvt=alu -> warps = 8, cvt = "alu"
-lua_tile() { echo "$1" | tr ',' '\n' | sed -E 's/^([a-z]+)=([0-9]+)$/\1 = \2/; s/^([a-z]+)=([a-z0-9]+)$/\1 = "\2"/' | paste -sd, - | sed 's/,/, /g'; }
 
 # make_dir NAME TILE ABLATION: a templates copy whose index_decode default is TILE, with the ablation applied
 make_dir() {

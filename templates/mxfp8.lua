@@ -1025,6 +1025,31 @@ local EPI_TAIL = [==[
 ]==]
 local function epi(k) return k.act == "swiglu" or k.combine == 1 end
 
+-- A ring stage's blocks, for both lean values: dec decodes the lane's weight
+-- words to fp16 pairs, scale_fma scales a block's mma sums into acc.
+local RING_STEP = [==[
+#pragma unroll
+  for (int u = 0; u < UNR; u++) {
+    const uint4 xv = g < ntok ? xs4[g * XS4 + 4 * (b0 + u) + tq] : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int r = 0; r < RPW; r++) {
+      const uint2 q0 = *(const uint2 *)(st + (16 * r + g) * WSTR + 32 * u + 8 * tq);
+      const uint2 q1 = *(const uint2 *)(st + (16 * r + 8 + g) * WSTR + 32 * u + 8 * tq);
+      u32 a0, a2, a1, a3, c0, c2, c1, c3;
+@dec@      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma16816(c, a0, a1, a2, a3, xv.x, xv.y);
+      mma16816(c, c0, c1, c2, c3, xv.z, xv.w);
+@scale_fma@    }
+  }
+]==]
+local function ring_step(dec, scale_fma)
+  local four = ""
+  for _, v in ipairs({{"q0.x", "a0", "a2"}, {"q1.x", "a1", "a3"}, {"q0.y", "c0", "c2"}, {"q1.y", "c1", "c3"}}) do
+    four = four .. string.format("      %s(%s, %s, %s);\n", dec, v[1], v[2], v[3])
+  end
+  local t = RING_STEP:gsub("@dec@", function() return four end)
+  return (t:gsub("@scale_fma@", function() return scale_fma end))
+end
 -- The ring's compute, lean=0: as tuned up to session 24 (this text renders
 -- those records' code unchanged).
 local RING_COMPUTE = [==[
@@ -1040,31 +1065,14 @@ M3_DEV void ring_compute(float (&acc)[RPW][4], const unsigned char *st, const ui
 #pragma unroll
       for (int j = 0; j < UNR / 4; j++)
         sc[r][h][j] = *(const u32 *)(st + 16 * RPW * WSTR + (16 * r + 8 * h + g) * UNR + 4 * j);
-#pragma unroll
-  for (int u = 0; u < UNR; u++) {
-    const uint4 xv = g < ntok ? xs4[g * XS4 + 4 * (b0 + u) + tq] : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-    for (int r = 0; r < RPW; r++) {
-      const uint2 q0 = *(const uint2 *)(st + (16 * r + g) * WSTR + 32 * u + 8 * tq);
-      const uint2 q1 = *(const uint2 *)(st + (16 * r + 8 + g) * WSTR + 32 * u + 8 * tq);
-      u32 a0, a2, a1, a3, c0, c2, c1, c3;
-      e4m3_word_f16(q0.x, a0, a2);
-      e4m3_word_f16(q1.x, a1, a3);
-      e4m3_word_f16(q0.y, c0, c2);
-      e4m3_word_f16(q1.y, c1, c3);
-      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      mma16816(c, a0, a1, a2, a3, xv.x, xv.y);
-      mma16816(c, c0, c1, c2, c3, xv.z, xv.w);
+]==] .. ring_step("e4m3_word_f16", [==[
       const float s0 = e8m0_to_f32((sc[r][0][u / 4] >> (8 * (u % 4))) & 0xffu);
       const float s1 = e8m0_to_f32((sc[r][1][u / 4] >> (8 * (u % 4))) & 0xffu);
       acc[r][0] = ffma_rn(c[0], s0, acc[r][0]);
       acc[r][1] = ffma_rn(c[1], s0, acc[r][1]);
       acc[r][2] = ffma_rn(c[2], s1, acc[r][2]);
       acc[r][3] = ffma_rn(c[3], s1, acc[r][3]);
-    }
-  }
-}
-]==]
+]==]) .. "}\n"
 local XSTAGE = [==[
       o.x = f16x2_of(fmul_rn(bf16lo(v.x), xm), fmul_rn(bf16lo(v.y), xm));   /* dims 0, 2 */
       o.y = f16x2_of(fmul_rn(bf16hi(v.x), xm), fmul_rn(bf16hi(v.y), xm));   /* dims 1, 3 */
@@ -1107,21 +1115,7 @@ M3_DEV u32 e8m0_edge(u32 w) { return ((w - 0x01010101u) & ~w & 0x80808080u) | ((
 template <bool EDGE>
 M3_DEV void ring_mma(float (&acc)[RPW][4], const unsigned char *st, const uint4 *xs4, int b0, int g, int tq, int ntok,
                      const u32 (&sc)[RPW][2][UNR / 4]) {
-#pragma unroll
-  for (int u = 0; u < UNR; u++) {
-    const uint4 xv = g < ntok ? xs4[g * XS4 + 4 * (b0 + u) + tq] : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-    for (int r = 0; r < RPW; r++) {
-      const uint2 q0 = *(const uint2 *)(st + (16 * r + g) * WSTR + 32 * u + 8 * tq);
-      const uint2 q1 = *(const uint2 *)(st + (16 * r + 8 + g) * WSTR + 32 * u + 8 * tq);
-      u32 a0, a2, a1, a3, c0, c2, c1, c3;
-      e4m3_word_f16_nat(q0.x, a0, a2);
-      e4m3_word_f16_nat(q1.x, a1, a3);
-      e4m3_word_f16_nat(q0.y, c0, c2);
-      e4m3_word_f16_nat(q1.y, c1, c3);
-      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      mma16816(c, a0, a1, a2, a3, xv.x, xv.y);
-      mma16816(c, c0, c1, c2, c3, xv.z, xv.w);
+]==] .. ring_step("e4m3_word_f16_nat", [==[
       const u32 w0 = sc[r][0][u / 4], w1 = sc[r][1][u / 4];
       const float s0 = EDGE ? e8m0_to_f32((w0 >> (8 * (u % 4))) & 0xffu) : e8m0_byte(w0, u % 4);
       const float s1 = EDGE ? e8m0_to_f32((w1 >> (8 * (u % 4))) & 0xffu) : e8m0_byte(w1, u % 4);
@@ -1131,9 +1125,7 @@ M3_DEV void ring_mma(float (&acc)[RPW][4], const unsigned char *st, const uint4 
         acc[r][1] = ffma_rn(c[1], s0, acc[r][1]);
         acc[r][3] = ffma_rn(c[3], s1, acc[r][3]);
       }
-    }
-  }
-}
+]==]) .. "}\n" .. [==[
 /* One ring stage into the accumulators (lean=1): as lean=0's, see above. */
 M3_DEV void ring_compute(float (&acc)[RPW][4], const unsigned char *st, const uint4 *xs4, int b0, int g, int tq,
                          int ntok) {

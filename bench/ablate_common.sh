@@ -1,0 +1,19 @@
+# ablate_common.sh - what indexer_ablate.sh and gemv_ablate.sh share: their
+# options and the tile-to-Lua conversion.  Sourced (. ablate_common.sh)
+# after the script sets me (its name) and the defaults of rounds, dry, out,
+# m3kit and tdir, which the options then override.
+need() { [ $# -ge 2 ] || { echo "$me: $1 needs a value" >&2; exit 2; }; }
+while [ $# -gt 0 ]; do
+  case $1 in
+    --rounds) need "$@"; rounds=$2; shift 2;;
+    --out) need "$@"; out=$2; shift 2;;
+    --m3kit) need "$@"; m3kit=$2; shift 2;;
+    --templates) need "$@"; tdir=$2; shift 2;;
+    --dry-run) dry=1; shift;;
+    -h|--help) sed -n '2,/^[^#]/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0;;
+    *) echo "$me: unknown option $1" >&2; exit 2;;
+  esac
+done
+
+# A tile as a Lua table literal: warps=8,cvt=alu -> warps = 8, cvt = "alu"
+lua_tile() { echo "$1" | tr ',' '\n' | sed -E 's/^([a-z]+)=([0-9]+)$/\1 = \2/; s/^([a-z]+)=([a-z0-9]+)$/\1 = "\2"/' | paste -sd, - | sed 's/,/, /g'; }
