@@ -19,6 +19,12 @@
 #   nocompute  ring_compute reads one word of its stage and nothing else: the
 #              cp.async ring, its waits and the loop alone
 #   lean       the case's tile with lean=1 (fewer instructions a block)
+#   contig     each warp's ring stage (16 x rpw rows x 32 unroll bytes) is read as
+#              one contiguous run: the same bytes, each once, in the order a
+#              weight repacked stage by stage would hold them (rows of a full
+#              tile only; the scales as they are).  What a repacked layout
+#              would gain, before writing one.
+#   contiglean contig with lean=1
 # The three ablations compute wrong answers: this measures time only.
 # Cases: CASES="name:bench row:tile;..." (tile: every tile axis); default: the
 # sm_90 seed's MoE down (rpw=2, tpc=4, pinned) and gate|up tiles (session 25).
@@ -29,7 +35,7 @@ me=gemv_ablate.sh
 [ -f "$tdir/mxfp8.lua" ] || { echo "gemv_ablate.sh: no $tdir/mxfp8.lua" >&2; exit 2; }
 mkdir -p "$out"
 cases=${CASES:-"down:W8A16 moe down:warps=4,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=4,lead=0,lean=0;gateup:W8A16 moe gate|up:warps=4,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=1,lead=0,lean=0"}
-variants=${VARIANTS:-"full lean noscale nocvt nocompute"}
+variants=${VARIANTS:-"full lean noscale nocvt nocompute contig contiglean"}
 
 
 # make_dir NAME TILE ABLATION: a templates copy whose e4m3 ring default is TILE, with the ablation applied
@@ -63,6 +69,12 @@ elif abl == "nocompute":
          "  acc[0][0] += __uint_as_float(*(const u32 *)(st + 4 * (threadIdx.x & 31)) & 0x3fffffffu);\n"
          "}\n]==]\n")
 s = s[:a] + f + s[b:]
+if abl in ("contig", "contiglean"):
+    s = sub(re.escape("const unsigned char *src = wb + (long long)(row0 + rl) * COLS + 32 * b0 + 16 * cc;"),
+            "const unsigned char *src = wb + (long long)row0 * COLS + (long long)b0 * 32 * 16 * RPW + rl * (UNR * 32) + 16 * cc;",
+            s, "ring_issue's full-tile address")
+    s = sub(re.escape("src + (long long)i * RSTEP * COLS, 16);"), "src + (long long)i * RSTEP * (UNR * 32), 16);", s,
+            "ring_issue's row step")
 open(p, "w").write(s)
 PY
   echo "$d"
@@ -74,7 +86,7 @@ for r in $(seq 1 "$rounds"); do
   echo "$cases" | tr ';' '\n' | while IFS=: read -r nm row tile; do
     [ -n "$nm" ] || continue
     for v in $variants; do
-      case $v in full|noscale|nocvt|nocompute) t=$tile;; lean) t=$(echo "$tile" | sed 's/lean=0/lean=1/');;
+      case $v in full|noscale|nocvt|nocompute|contig) t=$tile;; lean|contiglean) t=$(echo "$tile" | sed 's/lean=0/lean=1/');;
         *) echo "gemv_ablate.sh: unknown variant $v" >&2; exit 2;; esac
       d=$(make_dir "$v-$nm" "$t" "$v") || continue
       log=$out/bench-$v-$nm-$r.log
