@@ -434,8 +434,10 @@ void m3_tunedb_now_iso(char *buf, size_t n) {
  * adds an optional field without bumping the version must not lose data when
  * an older one merges into the same file. */
 static const char *const top_fields[] = {"format", "version", "records", "comment", NULL};
-static const char *const rec_fields[] = {"key",        "bucket",   "arch",       "tile",   "pinned", "default_tile",
-                                         "default_us", "tuned_us", "provenance", "metric", "candidates", NULL};
+/* "carried": tools/rekey.py --carry-fix's reason (docs/tuning-db.md); read by people, not by the runtime */
+static const char *const rec_fields[] = {"key",        "bucket",   "arch",       "tile",       "pinned",  "default_tile",
+                                         "default_us", "tuned_us", "provenance", "metric",     "carried", "candidates",
+                                         NULL};
 static const char *const prov_fields[] = {"gpu",           "sm_count",      "driver_version",
                                           "nvrtc_version", "cublas_version", "template_hash",
                                           "m3kit_version", "date",          "command",

@@ -676,7 +676,7 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
      const void *const *__restrict__ w_tab, const unsigned char *const *__restrict__ ws_tab,
      const int *__restrict__ ids, int n_tab, int xdiv, void *__restrict__ y, int n, int rows, int npairs$params) {
   $open
-  DYN_SMEM(uint4, xs4);          /* [NXS][XS4] fp16 x 2^sh, dims paired (0,2),(1,3),(4,6),(5,7) */
+  DYN_SMEM(uint4, xs4);          /* [NXS][XS4] fp16 x 2^sh, dims paired (0,2),(1,3),(4,6),(5,7); lean=1 with cvt=hw: (0,1),(2,3),... */
   __shared__ int s_emax[NXS];
   __shared__ float s_out[NXS];
 #if PIPE < 3 || TPC == 1

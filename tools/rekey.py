@@ -19,6 +19,8 @@ provenance.command.  Records whose code did change are left stale: they need `m3
 them and cannot change their ranking (a correctness fix of one instruction in a path every
 candidate shares): each gets the new hashes, WHY in a `carried` field (the runtime ignores it; `m3kit
 tune` replaces the record) and a note in provenance.command.  Its timings are then the old code's.
+It carries every record whose code changed, in every template: run it only where the old templates
+differ from the new ones by that fix, and look at --dry-run's list first.
 DB is rewritten as tools/tunedb_file.py writes it (the seed's layout; at a symlink's target, under the
 tuners' lock, through a temporary file and a rename).
 """
@@ -225,6 +227,10 @@ def main():
             break
         if not done and carry and not missing and key_new == r['key']:
             new_code = code_hash(m3kit, env_new, full)
+            try:  # a record is carried only to code that compiles (code_hash renders, never compiles)
+                new_code = new_code and machine_code(m3kit, env_new, full, tmp) and new_code
+            except (RuntimeError, AttributeError):  # failed, or printed no entry line
+                new_code = None
             if new_code:
                 prov['template_hash'] = new[name][0]
                 prov['code_hash'] = new_code
