@@ -193,6 +193,7 @@ def main():
         old_code = prov.get('code_hash') or code_hash(m3kit, env_old, full)
         ref = None
         done = False
+        compiled = None  # the code hash of this tile's new rendering once it compiled (what --carry-fix carries to)
         for combo in itertools.product(*[v for _, v in missing]):
             add = dict(zip([a for a, _ in missing], combo))
             tile = tile_text(dict(have, **add), axes)
@@ -203,9 +204,12 @@ def main():
             if new_code != old_code:  # other source: is it other machine code?
                 try:
                     ref = ref or machine_code(m3kit, env_old, full, tmp)
-                    if machine_code(m3kit, env_new, full_new, tmp) != ref:
-                        continue
-                except RuntimeError:
+                    new_mc = machine_code(m3kit, env_new, full_new, tmp)
+                except (RuntimeError, AttributeError):  # failed, or printed no entry line
+                    continue
+                if full_new == full:
+                    compiled = new_code
+                if new_mc != ref:
                     continue
             def complete(t):
                 return tile_text(dict(tile_dict(t), **{a: v for a, v in add.items() if a not in tile_dict(t)}), axes)
@@ -225,22 +229,16 @@ def main():
             print('re-keyed (%s): %s [%s] -> %s[%s]' % (how, old_key, old_tile, '' if key_new == old_key else key_new, tile))
             done = True
             break
-        if not done and carry and not missing and key_new == r['key']:
-            new_code = code_hash(m3kit, env_new, full)
-            try:  # a record is carried only to code that compiles (code_hash renders, never compiles)
-                new_code = new_code and machine_code(m3kit, env_new, full, tmp) and new_code
-            except (RuntimeError, AttributeError):  # failed, or printed no entry line
-                new_code = None
-            if new_code:
-                prov['template_hash'] = new[name][0]
-                prov['code_hash'] = new_code
-                r['carried'] = carry
-                note = ' (carried by tools/rekey.py --carry-fix across a code change, not re-timed: %s)' % carry
-                if note not in prov.get('command', ''):
-                    prov['command'] = prov.get('command', '') + note
-                counts['carried'] += 1
-                print('carried (code changed, not re-timed): %s [%s]' % (r['key'], r['tile']))
-                done = True
+        if not done and carry and compiled:  # the same key and tile, other code that compiles
+            prov['template_hash'] = new[name][0]
+            prov['code_hash'] = compiled
+            r['carried'] = carry
+            note = ' (carried by tools/rekey.py --carry-fix across a code change, not re-timed: %s)' % carry
+            if note not in prov.get('command', ''):
+                prov['command'] = prov.get('command', '') + note
+            counts['carried'] += 1
+            print('carried (code changed, not re-timed): %s [%s]' % (r['key'], r['tile']))
+            done = True
         if not done:
             counts['changed'] += 1
             print('changed: %s [%s] (its code differs: re-tune it)' % (r['key'], r['tile']))
