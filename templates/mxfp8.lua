@@ -1050,13 +1050,8 @@ local function ring_step(dec, scale_fma)
   local t = RING_STEP:gsub("@dec@", function() return four end)
   return (t:gsub("@scale_fma@", function() return scale_fma end))
 end
--- The ring's compute, lean=0: as tuned up to session 24 (this text renders
--- those records' code unchanged).
-local RING_COMPUTE = [==[
-/* One ring stage into the accumulators: blocks [b0, b0 + UNR) of the tile's
- * rows, decoded to fp16, two mma.m16n8k16 a block, scaled by the rows' E8M0. */
-M3_DEV void ring_compute(float (&acc)[RPW][4], const unsigned char *st, const uint4 *xs4, int b0, int g, int tq,
-                         int ntok) {
+-- A stage's E8M0 words of the lane's rows g, g + 8 of each tile (both lean values).
+local SC_LOADS = [==[
   u32 sc[RPW][2][UNR / 4];
 #pragma unroll
   for (int r = 0; r < RPW; r++)
@@ -1065,7 +1060,15 @@ M3_DEV void ring_compute(float (&acc)[RPW][4], const unsigned char *st, const ui
 #pragma unroll
       for (int j = 0; j < UNR / 4; j++)
         sc[r][h][j] = *(const u32 *)(st + 16 * RPW * WSTR + (16 * r + 8 * h + g) * UNR + 4 * j);
-]==] .. ring_step("e4m3_word_f16", [==[
+]==]
+-- The ring's compute, lean=0: as tuned up to session 24 (this text renders
+-- those records' code unchanged).
+local RING_COMPUTE = [==[
+/* One ring stage into the accumulators: blocks [b0, b0 + UNR) of the tile's
+ * rows, decoded to fp16, two mma.m16n8k16 a block, scaled by the rows' E8M0. */
+M3_DEV void ring_compute(float (&acc)[RPW][4], const unsigned char *st, const uint4 *xs4, int b0, int g, int tq,
+                         int ntok) {
+]==] .. SC_LOADS .. ring_step("e4m3_word_f16", [==[
       const float s0 = e8m0_to_f32((sc[r][0][u / 4] >> (8 * (u % 4))) & 0xffu);
       const float s1 = e8m0_to_f32((sc[r][1][u / 4] >> (8 * (u % 4))) & 0xffu);
       acc[r][0] = ffma_rn(c[0], s0, acc[r][0]);
@@ -1129,16 +1132,9 @@ M3_DEV void ring_mma(float (&acc)[RPW][4], const unsigned char *st, const uint4 
 /* One ring stage into the accumulators (lean=1): as lean=0's, see above. */
 M3_DEV void ring_compute(float (&acc)[RPW][4], const unsigned char *st, const uint4 *xs4, int b0, int g, int tq,
                          int ntok) {
-  u32 sc[RPW][2][UNR / 4], edge = 0u;
-#pragma unroll
-  for (int r = 0; r < RPW; r++)
-#pragma unroll
-    for (int h = 0; h < 2; h++)
-#pragma unroll
-      for (int j = 0; j < UNR / 4; j++) {
-        sc[r][h][j] = *(const u32 *)(st + 16 * RPW * WSTR + (16 * r + 8 * h + g) * UNR + 4 * j);
-        edge |= e8m0_edge(sc[r][h][j]);
-      }
+]==] .. SC_LOADS .. [==[
+  u32 edge = 0u;
+  for (int i = 0; i < RPW * 2 * (UNR / 4); i++) edge |= e8m0_edge((&sc[0][0][0])[i]);
   if (__any_sync(FULL, edge != 0u)) ring_mma<true>(acc, st, xs4, b0, g, tq, ntok, sc);
   else ring_mma<false>(acc, st, xs4, b0, g, tq, ntok, sc);
 }
