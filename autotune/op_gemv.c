@@ -51,6 +51,7 @@ static int64_t main_use(const m3_config *c, const m3_variant *v, int *xdiv) {
 typedef struct {
   m3_rt *rt;
   int moe, xdiv, sets, nx, ny; /* x rows, y rows (MoE: pairs + shared) */
+  int settled;                 /* the key's settled axis (MoE down) */
   int64_t rows, cols;
   size_t wbytes, sbytes;       /* one matrix */
   int nw;                      /* matrices per set (MoE: EXPERTS + 1 shared; else 1) */
@@ -98,6 +99,7 @@ static m3_status setup(m3_rt *rt, const m3_config *cfg, const m3_variant *v, con
   s->rt = rt;
   s->cols = m3_variant_axis_int(v, "cols", 0);
   s->moe = (int)m3_variant_axis_int(v, "moe", 0);
+  s->settled = (int)m3_variant_axis_int(v, "settled", 0);
   s->rows = main_use(cfg, v, &s->xdiv);
   if (s->rows < 1 || s->cols < 32 || m3_bucket_get(b, "tokens") < 1)
     return m3_errf(e, M3_KEY, "gemv tune: not a W8A16 decode GEMV key / bucket");
@@ -166,8 +168,9 @@ static m3_status launch(void *x, const m3_kernel *k, int rep, m3_err *e) {
   const int64_t rows = hook == 1 ? s->rows - 16 : s->rows;
   for (int twice = 0; twice < (hook == 2 ? 2 : 1); twice++) {
     if (s->moe) {
+      /* the ids are a host upload before the first launch: settled whatever the key says */
       m3_gemv_args a = {.n = PAIRS, .rows = rows, .cols = s->cols, .wfmt = M3_GEMV_E4M3, .moe = 1, .xdiv = s->xdiv,
-                        .n_experts = EXPERTS};
+                        .n_experts = EXPERTS, .ids_settled = s->settled};
       const void *const *tab = (const void *const *)s->d_tab[set];
       M3_TRY(m3_launch_gemv_moe_shared(k, &a, s->d_x, tab, tab + EXPERTS, s->d_ids, w + EXPERTS * s->wbytes,
                                        sc + EXPERTS * s->sbytes, 1, s->d_y, s->rt->stream, e));

@@ -8,7 +8,7 @@
 # into $OUT/device-run.tar.gz (the device tool returns a few files only) and
 # the one-line results are also in $OUT/summary.txt.
 # Time limits (seconds): T_TEST (each test and sanitizer run, default 280),
-# TPOT_PDL=1 (the TPOT curve again with M3KIT_PDL=0, PDL off), T_TUNE (480; T_TUNE2 for the second tune; TUNE_ARGS more tune options, e.g. --only mxfp8), T_BENCH (240), T_RUN (150), T_TPOT (300),
+# TPOT_PDL=1 (the TPOT curve again with M3KIT_PDL=0, PDL off), T_TUNE (480; T_TUNE2 for the second tune; TUNE_ARGS more tune options, e.g. --only mxfp8; TUNE2_ARGS the second tune's, default TUNE_ARGS), T_BENCH (240), T_RUN (150), T_TPOT (300),
 # T_TP (520: the whole tp phase, its test and then tp_tpot.sh in what is left; TP_LIST, TP_CONTEXTS,
 # TP_BATCHES narrow the sweep, TP_ARGS adds tp_tpot.sh options, e.g. "--append --timing-only", TP_PREV an
 # earlier call's tp/ output for --append).  TESTS and SANITIZE
@@ -104,7 +104,9 @@ if has tune; then
     rm -rf "$M3KIT_CACHE_DIR/tuning"
     [ $run = 2 ] && { has tune2 || break; }
     tt=${T_TUNE:-480}; [ $run = 2 ] && tt=${T_TUNE2:-$tt}
-    ( time timeout "$tt" ./m3kit tune --preset minimax-m3 --budget $(( tt - 25 )) ${TUNE_ARGS:-} ) > "$L/tune-$run.log" 2>&1
+    ta=${TUNE_ARGS:-}; [ $run = 2 ] && ta=${TUNE2_ARGS:-$ta}
+    # shellcheck disable=SC2086
+    ( time timeout "$tt" ./m3kit tune --preset minimax-m3 --budget $(( tt - 25 )) $ta ) > "$L/tune-$run.log" 2>&1
     log "tune $run rc=$? $(grep -E '^real' "$L/tune-$run.log") at $(elapsed) s"
     mkdir -p "$OUT/tuning-$run" && cp "$M3KIT_CACHE_DIR"/tuning/*.json "$OUT/tuning-$run/" 2>/dev/null
     ./m3kit tune --show > "$L/tune-show-$run.txt" 2>&1

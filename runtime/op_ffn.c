@@ -276,7 +276,7 @@ m3_status m3_launch_moe_combine(const m3_kernel *k, int64_t n_tokens, int hidden
 m3_status m3_dequant_key(int64_t cols, m3_variant *v, m3_err *e) {
   char k[M3_KEY_MAX];
   snprintf(k, sizeof k, "mxfp8(op=dequant,w=e4m3,out=bf16,cols=%" PRId64 ",nmax=1,moe=0,act=none,alpha_e6=0,limit_e6=0,"
-           "beta_e6=0,combine=0)", cols);
+           "beta_e6=0,combine=0,settled=0)", cols);
   return m3_variant_parse(k, v, e);
 }
 
@@ -310,9 +310,9 @@ m3_status m3_gemv_key(const m3_gemv_args *a, int nmax, m3_variant *v, m3_err *e)
   char k[M3_KEY_MAX];
   snprintf(k, sizeof k,
            "mxfp8(op=gemv,w=%s,out=%s,cols=%" PRId64 ",nmax=%d,moe=%d,act=%s,alpha_e6=%lld,limit_e6=%lld,beta_e6=%lld,"
-           "combine=%d)",
+           "combine=%d,settled=%d)",
            wname(a->wfmt), a->out_f32 ? "f32" : "bf16", a->cols, nmax, a->moe ? 1 : 0, a->act ? "swiglu" : "none", al,
-           li, be, a->combine ? 1 : 0);
+           li, be, a->combine ? 1 : 0, a->moe && a->ids_settled ? 1 : 0);
   return m3_variant_parse(k, v, e);
 }
 
@@ -345,6 +345,8 @@ static m3_status gemv_check(const m3_kernel *k, const m3_gemv_args *a, int moe, 
   M3_TRY(want_axis(k, "moe", moe, "gemv", e));
   M3_TRY(want_str(k, "act", a->act ? "swiglu" : "none", "gemv", e));
   M3_TRY(want_axis(k, "combine", a->combine ? 1 : 0, "gemv", e));
+  /* settled=1 kernels may read ids before the grid wait: only where the caller vouches for them */
+  M3_TRY(want_axis(k, "settled", moe && a->ids_settled ? 1 : 0, "gemv", e));
   if (a->n < 0 || a->rows < 1 || a->rows > INT32_MAX)
     return m3_errf(e, M3_INVAL, "gemv: n %" PRId64 ", rows %" PRId64, a->n, a->rows);
   return M3_OK;
@@ -742,8 +744,9 @@ m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_m
     M3_TRY(m3_launch_gemv_moe_fused(k, &ga, m, w->gu_tab, w->gu_scale_tab, ids, w->shared_gu, w->shared_gu_scale, ns,
                                     b.gu, fuse_act ? &ea : NULL, s, e));
     if (!fuse_act) M3_TRY(m3_launch_swiglu(sw, P + ns, I, b.gu, b.act, s, e));
+    /* ids were written by the route launch, two or more launches back: settled (lead=1 tiles) */
     m3_gemv_args gd = {.n = P, .rows = H, .cols = I, .wfmt = wf, .moe = 1, .xdiv = 1, .n_experts = (int)E,
-                       .combine = fused};
+                       .combine = fused, .ids_settled = 1};
     M3_TRY(m3_gemv_kernel(rt, &gd, &k, e));
     const m3_gemv_epilogue ec = {.w = wts, .out = out, .tile_count = b.tiles};
     M3_TRY(m3_launch_gemv_moe_fused(k, &gd, b.act, w->down_tab, w->down_scale_tab, ids, w->shared_down,

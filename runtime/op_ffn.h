@@ -154,6 +154,10 @@ typedef struct m3_gemv_args {
   int act;            /* 1 (gate|up): also writes SwiGLU-OAI(gate, up) (§7.3) */
   float alpha, limit, beta; /* act: SwiGLU-OAI's constants (carried by the key in millionths) */
   int combine;        /* 1 (down): also writes the MoE combine (§12.6) */
+  int ids_settled;    /* moe: 1 = ids (and the pointer tables) were written two or more launches back on the
+                         stream (the down GEMV: route -> gate|up [-> SwiGLU] -> down), so they are complete when
+                         the kernel starts even under programmatic dependent launch; the key's settled axis,
+                         which lets a lead=1 tile read them before its grid wait (templates/lib/lead.lua) */
 } m3_gemv_args;
 
 /* Key for an explicit nmax (1, 2, 4, 8).  Errors: M3_KEY. */
@@ -233,7 +237,11 @@ typedef struct m3_gemv_epilogue {
  * (act: rows not 2I with I a multiple of the tile's 16 rpw rows - 64 covers
  * every tile - or SwiGLU constants other than the kernel's; combine: no
  * shared pairs, or their number not dividing a->n), missing buffers, or an
- * epilogue output that is y. */
+ * epilogue output that is y.
+ * A kernel of a key with settled=1 (a->ids_settled) and a lead=1 tile reads
+ * ids, w_tab, s_tab, sw, ss and the weights before its grid wait, while the
+ * kernels launched before it on `stream` may still run: the caller vouches
+ * that none of them writes those (ids written two or more launches back). */
 m3_status m3_launch_gemv_moe_fused(const m3_kernel *k, const m3_gemv_args *a, const void *x,
                                    const void *const *w_tab, const void *const *s_tab, const int32_t *ids,
                                    const void *sw, const void *ss, int64_t n_shared, void *y,

@@ -76,6 +76,12 @@ T.axes = {
   {"limit_e6", "int"},
   {"beta_e6", "int"},
   {"combine", {0, 1}},              -- 1 (down): the last CTA to finish a row tile sums the pairs into out (§12.6)
+  -- MoE: 1 = the launcher vouches that ids (and the pointer tables) were written
+  -- two or more launches back on the stream, so they are complete when this
+  -- kernel starts (lib/lead.lua): the down GEMV, after route -> gate|up
+  -- [-> SwiGLU].  It lets lead=1 tiles resolve their experts and stream the
+  -- first weights before the grid wait.  The code is the same either way.
+  {"settled", {0, 1}},
 }
 T.tiles = {
   {"warps", {2, 4, 8, 16}},         -- warps per CTA
@@ -88,8 +94,8 @@ T.tiles = {
                                     -- 0 = balanced: as many CTAs as the SMs hold at once, each 1/G of all tiles;
                                     -- 3 and 6 even out the CTAs per SM (ncu, device run 24: the MoE down's 192
                                     -- CTAs of tpc=8 put 2 on 60 SMs and 1 on 72; gate|up's 96 left 36 SMs idle)
-  {"lead", {0, 1}},                 -- W8A16 GEMV with the ring, non-MoE: 1 = the ring's first stages are issued
-                                    -- before the grid wait, while the previous kernel still runs (lib/lead.lua)
+  {"lead", {0, 1}},                 -- W8A16 GEMV with the ring, non-MoE or settled=1: 1 = the ring's first stages
+                                    -- are issued before the grid wait, while the previous kernel still runs (lib/lead.lua)
   {"lean", {0, 1}},                 -- W8A16 GEMV with the ring: 1 = fewer instructions a block (RING_COMPUTE_LEAN)
 }
 
@@ -129,6 +135,9 @@ function T.valid(k, t, arch)
   elseif k.limit_e6 < 0 then
     return false, "the clamp limit must be >= 0"
   end
+  if k.settled == 1 and k.moe ~= 1 then
+    return false, "settled=1 vouches for the MoE GEMV's expert ids (moe=1); a non-MoE GEMV has none"
+  end
   if (k.combine == 1 or k.act ~= "none") and (k.op ~= "gemv" or k.w ~= "e4m3" or k.moe ~= 1) then
     return false, "act=swiglu and combine=1 are the W8A16 MoE GEMV's epilogues (op=gemv, w=e4m3, moe=1)"
   end
@@ -149,7 +158,9 @@ function T.valid(k, t, arch)
     -- The weights are the only input no kernel of the stream writes; a MoE
     -- launch needs the router's expert ids first.
     if k.w ~= "e4m3" or t.pipe < 3 then return false, "lead=1 is the W8A16 ring's (w=e4m3, pipe >= 3)" end
-    if k.moe ~= 0 then return false, "lead=1 needs the weights before the grid wait: a MoE launch's come from the router (moe=0)" end
+    if k.moe ~= 0 and k.settled ~= 1 then
+      return false, "lead=1 needs the weights before the grid wait: a MoE launch's come from the router (moe=0, or settled=1)"
+    end
     if m3.sm(arch) < 90 then return false, "lead=1 overlaps the previous kernel through programmatic dependent launch (sm_90+)" end
   end
   if t.pipe ~= 1 and k.w ~= "e4m3" then return false, "pipe=2 is the W8A16 (e4m3) GEMV's; bf16/fp32 use pipe=1" end
@@ -212,13 +223,13 @@ end
 
 function T.variants(c)
   local out, seen = {}, {}
-  local function add(op, w, o, cols, moe, epi)
+  local function add(op, w, o, cols, moe, epi, settled)
     if not cols or cols < 1 then return end
-    local id = table.concat({op, w, o, cols, moe, epi or ""}, ",")
+    local id = table.concat({op, w, o, cols, moe, epi or "", settled or 0}, ",")
     if seen[id] then return end
     seen[id] = true
     local v = {op = op, w = w, out = o, cols = cols, nmax = 1, moe = moe, act = "none", alpha_e6 = 0, limit_e6 = 0,
-               beta_e6 = 0, combine = 0}
+               beta_e6 = 0, combine = 0, settled = settled or 0}
     if epi == "act" then
       v.act, v.alpha_e6 = "swiglu", c.swiglu_alpha_e6 or 1702000
       v.limit_e6, v.beta_e6 = c.swiglu_limit_e6 or 7000000, c.swiglu_beta_e6 or 1000000
@@ -236,11 +247,11 @@ function T.variants(c)
   if c.has_moe ~= 0 then
     add("gemv", "e4m3", "bf16", c.shared_inter, 0)          -- shared expert down
     add("gemv", "e4m3", "bf16", H, 1)                       -- routed experts gate|up
-    add("gemv", "e4m3", "bf16", c.inter, 1)                 -- routed experts down
+    add("gemv", "e4m3", "bf16", c.inter, 1, nil, 1)         -- routed experts down (its ids settled: route is 2 back)
     -- The opt-in epilogue launches (runtime/op_ffn.c, M3KIT_MOE_FUSE: the
     -- dims' moe_fuse): the down GEMV's combine; gate|up's SwiGLU too with 2.
     if (c.moe_fuse or 0) >= 1 and c.shared_inter == c.inter then
-      add("gemv", "e4m3", "bf16", c.inter, 1, "combine")
+      add("gemv", "e4m3", "bf16", c.inter, 1, "combine", 1)
       if c.moe_fuse == 2 and c.inter % 64 == 0 then add("gemv", "e4m3", "bf16", H, 1, "act") end
     end
     add("gemv", "f32", "f32", H, 0)                         -- fp32 router
@@ -1013,10 +1024,13 @@ local BADPAIR = [==[
 ]==]
 local EPI_BADPAIR = [==[
   if (!pair_weights(p, n, ids, n_tab, w_tab, ws_tab, w, ws, x, wb, sb)) {   /* the whole CTA: y row p stays */
-    if (warp == 0) EPI_TILE((int)blockIdx.x, p, (int)blockIdx.x * RPW * 16);   /* its tile still counts */
+$badwait    if (warp == 0) EPI_TILE((int)blockIdx.x, p, (int)blockIdx.x * RPW * 16);   /* its tile still counts */
     return;
   }
 ]==]
+-- lead=1 (settled=1): a bad pair's CTA writes its epilogue only after the
+-- grid wait, as every other global write (lib/lead.lua).
+local BADWAIT = "    M3_GRID_WAIT(); /* the epilogue writes global memory: after the wait */\n"
 local EPI_MULTI = [==[
       if (warp == 0) EPI_TILE(clt, pp, tr0);
 ]==]
@@ -1168,7 +1182,7 @@ function T.render(k, t, arch, sym)
         or RING_COMPUTE,
       xstage = (t.lean == 1 and t.cvt == "hw") and XSTAGE_NAT or XSTAGE,
       params = k.act == "swiglu" and EPI_PARAMS.act or (k.combine == 1 and EPI_PARAMS.combine or ""),
-      badpair = epi(k) and EPI_BADPAIR or BADPAIR,
+      badpair = epi(k) and (EPI_BADPAIR:gsub("%$badwait", t.lead == 1 and BADWAIT or "")) or BADPAIR,
       epi_multi = epi(k) and EPI_MULTI or "", epi_tail = epi(k) and EPI_TAIL or "",
     })
     smem = gemv_smem(k, t)

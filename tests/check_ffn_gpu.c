@@ -910,8 +910,13 @@ END_TEST
  * unchecked; then a second launch with good ids, the outputs poisoned again,
  * over the same tile counts must give every row: the counts came back to zero
  * (also read back). */
+/* settled: the key's settled=1 (ids written two or more launches back: here a
+ * host upload) and x written by a kernel launched right before the GEMV over
+ * a NaN-poisoned buffer, no sync between: a lead=1 tile that staged x before
+ * its grid wait reads NaN or half-written rows (the emulator runs kernels one
+ * after the other: there this checks the arithmetic only). */
 static void run_gemv_moe_any(int e4m3, int E, int T, int K, int64_t rows, int64_t cols, int xdiv, const char *tile,
-                             int shared, int epi) {
+                             int shared, int epi, int settled) {
   m3_rng r = rng_for((uint64_t)E * 3 + (uint64_t)rows + (uint64_t)e4m3 + (uint64_t)shared * 17 + (uint64_t)epi);
   const int P = T * K, NS = shared ? T : 0, XR = xdiv == 1 ? P + NS : T, NE = E + (shared ? 1 : 0);
   m3_bf16 *x = rand_bf16(&r, (size_t)XR * cols, 1.0f);
@@ -933,11 +938,12 @@ static void run_gemv_moe_any(int e4m3, int E, int T, int K, int64_t rows, int64_
   for (int p = 0; p < P; p++) ids[p] = (int32_t)(m3_rng_next(&r) % (uint64_t)E);
   ids[P - 1] = E; /* a bad id: that row must stay untouched */
   void *d_tab = dup(h_w, sizeof(void *) * (size_t)E), *d_stab = e4m3 ? dup(h_s, sizeof(void *) * (size_t)E) : NULL;
-  void *d_ids = dup(ids, 4 * (size_t)P), *d_x = dup(x, sizeof *x * (size_t)XR * cols);
+  void *d_ids = dup(ids, 4 * (size_t)P);
+  void *d_x = settled ? dpoison(sizeof *x * (size_t)XR * cols) : dup(x, sizeof *x * (size_t)XR * cols);
   void *d_y = dpoison(sizeof(m3_bf16) * (size_t)(P + NS) * rows);
   m3_gemv_args a = {.n = P, .rows = rows, .cols = cols, .wfmt = e4m3 ? M3_GEMV_E4M3 : M3_GEMV_BF16, .moe = 1,
                     .xdiv = xdiv, .n_experts = E, .act = epi == 1, .alpha = 1.702f, .limit = 7.0f, .beta = 1.0f,
-                    .combine = epi == 2};
+                    .combine = epi == 2, .ids_settled = settled};
   float *cw = malloc(sizeof *cw * (size_t)P);
   for (int p = 0; p < P; p++) cw[p] = 2.0f * m3_rng_unif(&r);
   /* the epilogue's output: act [P + NS, rows / 2] or out [T, rows]; its tile counts */
@@ -956,7 +962,9 @@ static void run_gemv_moe_any(int e4m3, int E, int T, int K, int64_t rows, int64_
     GPU_CHECK(m3_gemv_kernel(&g_rt, &a, &k, &e_));
   }
   char ctx[1400];
-  ctx_of(k, shared ? "gemv moe + shared" : "gemv moe", ctx, sizeof ctx);
+  ctx_of(k, settled ? "gemv moe (settled ids) after a kernel that writes x" : shared ? "gemv moe + shared" : "gemv moe",
+         ctx, sizeof ctx);
+  if (settled) GPU_CHECK(m3_fill(&g_rt, d_x, XR * cols, "bf16", m3_rng_next(&r), 1.0f, g_rt.stream, &e_));
   if (epi)
     GPU_CHECK(m3_launch_gemv_moe_fused(k, &a, d_x, d_tab, d_stab, d_ids, h_w[E], h_s[E], NS, d_y, &ep, g_rt.stream,
                                        &e_));
@@ -965,6 +973,10 @@ static void run_gemv_moe_any(int e4m3, int E, int T, int K, int64_t rows, int64_
   else
     GPU_CHECK(m3_launch_gemv_moe(k, &a, d_x, d_tab, d_stab, d_ids, d_y, g_rt.stream, &e_));
   sync_ok();
+  if (settled) { /* the reference reads what the fill wrote */
+    free(x);
+    x = down(d_x, sizeof *x * (size_t)XR * cols);
+  }
   m3_bf16 *y = down(d_y, sizeof(m3_bf16) * (size_t)(P + NS) * rows), *yr = malloc(sizeof *yr * (size_t)rows);
   for (int p = 0; p < P + NS; p++) {
     if (p < P && ids[p] >= E) {
@@ -1041,12 +1053,12 @@ static void run_gemv_moe_any(int e4m3, int E, int T, int K, int64_t rows, int64_
 
 static void run_gemv_moe(int e4m3, int E, int T, int K, int64_t rows, int64_t cols, int xdiv, const char *tile,
                          int shared) {
-  run_gemv_moe_any(e4m3, E, T, K, rows, cols, xdiv, tile, shared, 0);
+  run_gemv_moe_any(e4m3, E, T, K, rows, cols, xdiv, tile, shared, 0, 0);
 }
 /* The decode step's MoE launches with their epilogues: gate|up [rows = 2I]
  * with act=swiglu (epi 1), down with combine=1 (epi 2). */
 static void run_gemv_moe_epi(int epi, int E, int T, int K, int64_t rows, int64_t cols, const char *tile) {
-  run_gemv_moe_any(1, E, T, K, rows, cols, epi == 1 ? K : 1, tile, 1, epi);
+  run_gemv_moe_any(1, E, T, K, rows, cols, epi == 1 ? K : 1, tile, 1, epi, 0);
 }
 
 START_TEST(gemv_moe_expert_shapes) {
@@ -1086,6 +1098,36 @@ START_TEST(gemv_moe_every_tile) {
   char (*tiles)[256];
   const int n = gemv_case_tiles(&a, 1, every_tile, 1, &tiles);
   for (int i = 0; i < n; i++) run_gemv_moe(1, 5, 2, 4, 515, 1024, 4, tiles[i], i % 2);
+  free(tiles);
+}
+END_TEST
+
+/* The down GEMV's key with settled=1 lets lead=1 tiles resolve their experts
+ * and stream the first weights before the grid wait (templates/mxfp8.lua):
+ * those tiles (lead=0 ones render the same code as settled=0's), plain and
+ * with the combine epilogue (a bad pair's CTA writes its epilogue only after
+ * the wait), x written by the kernel just before; 0: the real down shape at
+ * the model's ring tiles, 1: every tile's loop (tpc 0, 1, 8), 2: combine=1. */
+static int moe_lead_tile(const char *t) {
+  if (!strstr(t, "lead=1")) return 0;
+  if (!g_emu) return tpc_0_1_or_8(t) && !strstr(t, "lean=1");
+  return strstr(t, "warps=4,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=1,") || strstr(t, "warps=2,rpw=1,unroll=4,cvt=hw,pipe=4,tpc=8,") ||
+         strstr(t, "warps=4,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=0,");
+}
+
+START_TEST(gemv_moe_lead_settled) {
+  if (_i == 0) {
+    static const char *const real[] = {"warps=4,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=4,lead=1,lean=0",
+                                       "warps=4,rpw=1,unroll=4,cvt=hw,pipe=4,tpc=1,lead=1,lean=1"};
+    for (int i = 0; i < 2; i++) run_gemv_moe_any(1, 3, 1, 4, real_rows(6144), 3072, 1, real[i], 1, 0, 1);
+    return;
+  }
+  const int epi = _i == 2 ? 2 : 0;
+  m3_gemv_args a = {.n = 8, .rows = 515, .cols = 1024, .wfmt = M3_GEMV_E4M3, .moe = 1, .xdiv = 1, .n_experts = 5,
+                    .combine = epi == 2, .ids_settled = 1};
+  char (*tiles)[256];
+  const int n = gemv_case_tiles(&a, 1, moe_lead_tile, 3, &tiles);
+  for (int i = 0; i < n; i++) run_gemv_moe_any(1, 5, 2, 4, 515, 1024, 1, tiles[i], 1, epi, 1);
   free(tiles);
 }
 END_TEST
@@ -1661,6 +1703,7 @@ static Suite *make(void) {
   tcase_add_loop_test(c[6].tc, gemv_moe_expert_shapes, 0, 2);
   tcase_add_test(c[9].tc, gemv_moe_every_tile);
   tcase_add_loop_test(c[11].tc, gemv_moe_epilogues, 0, 2);
+  tcase_add_loop_test(c[11].tc, gemv_moe_lead_settled, 0, 3);
   tcase_add_loop_test(c[10].tc, gemv_ring_real_cols, 0, 2);
   tcase_add_loop_test(c[10].tc, gemv_e8m0_edge_codes, 0, 2);
   tcase_add_loop_test(c[6].tc, cublas_gemm, 0, 4);
