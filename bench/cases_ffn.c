@@ -152,7 +152,8 @@ static m3_status bench_moe(m3_rt *rt, FILE *out, int e4m3, m3_err *e) {
     moe_case c = {.p = &p, .down = d, .s = rt->stream, .ep = d == 2 ? &ep_act : d == 3 ? &ep_comb : NULL};
     c.a = (m3_gemv_args){.n = 4, .rows = dn ? H : 2 * I, .cols = dn ? I : H,
                          .wfmt = e4m3 ? M3_GEMV_E4M3 : M3_GEMV_BF16, .moe = 1, .xdiv = dn ? 1 : 4, .n_experts = n,
-                         .act = d == 2, .alpha = 1.702f, .limit = 7.0f, .beta = 1.0f, .combine = d == 3};
+                         .act = d == 2, .alpha = 1.702f, .limit = 7.0f, .beta = 1.0f, .combine = d == 3,
+                         .ids_settled = dn}; /* the step's down key (its ids a host upload here: settled) */
     c.x = dn ? act : x;
     c.y = dn ? y : gu;
     st = m3_gemv_kernel(rt, &c.a, &c.k, e);

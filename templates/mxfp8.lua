@@ -94,8 +94,10 @@ T.tiles = {
                                     -- 0 = balanced: as many CTAs as the SMs hold at once, each 1/G of all tiles;
                                     -- 3 and 6 even out the CTAs per SM (ncu, device run 24: the MoE down's 192
                                     -- CTAs of tpc=8 put 2 on 60 SMs and 1 on 72; gate|up's 96 left 36 SMs idle)
-  {"lead", {0, 1}},                 -- W8A16 GEMV with the ring, non-MoE or settled=1: 1 = the ring's first stages
-                                    -- are issued before the grid wait, while the previous kernel still runs (lib/lead.lua)
+  {"lead", {0, 1}},                 -- W8A16 GEMV with the ring: 1 = the ring's first stages are issued before the
+                                    -- grid wait, while the previous kernel still runs (lib/lead.lua): every CTA's
+                                    -- (non-MoE, settled=1), or the shared expert's CTAs' (MoE, settled=0, tpc=1:
+                                    -- the routed ones need the router's ids; the shared pairs' CTAs come first)
   {"lean", {0, 1}},                 -- W8A16 GEMV with the ring: 1 = fewer instructions a block (RING_COMPUTE_LEAN)
 }
 
@@ -158,8 +160,9 @@ function T.valid(k, t, arch)
     -- The weights are the only input no kernel of the stream writes; a MoE
     -- launch needs the router's expert ids first.
     if k.w ~= "e4m3" or t.pipe < 3 then return false, "lead=1 is the W8A16 ring's (w=e4m3, pipe >= 3)" end
-    if k.moe ~= 0 and k.settled ~= 1 then
-      return false, "lead=1 needs the weights before the grid wait: a MoE launch's come from the router (moe=0, or settled=1)"
+    if k.moe ~= 0 and k.settled ~= 1 and t.tpc ~= 1 then
+      return false, "lead=1 on a MoE launch whose ids come from the previous kernel (settled=0) starts only the " ..
+                    "shared expert's CTAs early, in the one-tile loop: tpc=1"
     end
     if m3.sm(arch) < 90 then return false, "lead=1 overlaps the previous kernel through programmatic dependent launch (sm_90+)" end
   end
@@ -736,8 +739,7 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
   }
   const int nx = MOE ? pl - pf + 1 : n, xp0 = pf;
 #else
-  const int p = MOE ? (int)blockIdx.y : 0;
-  const unsigned char *wb, *sb;
+$pairsel  const unsigned char *wb, *sb;
 $badpair  const int row0 = (int)blockIdx.x * RPW * 16;
 
   /* The first weights are in flight while x is staged. */
@@ -1164,6 +1166,19 @@ local XSTAGE_NAT = [==[
 local WAIT_OPEN = "M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */"
 local LEAD_OPEN = "M3_LEAD_IN; /* the weights only until the wait (lib/lead.lua) */"
 local LEAD_WAIT = "  M3_GRID_WAIT(); /* x is the previous kernel's output */\n"
+-- The one-tile loop's pair: grid row blockIdx.y.  With lead=1 on a MoE launch
+-- whose ids are the previous kernel's (settled=0: the gate|up GEMV, right
+-- after route), only the shared expert's pairs (p >= n: weights the launch
+-- arguments name) can stream before the wait; their grid rows come first, so
+-- that they are the first wave, and the routed CTAs wait before they read ids.
+local PAIRSEL = "  const int p = MOE ? (int)blockIdx.y : 0;\n"
+-- (A routed CTA then passes the kernel's wait a second time: griddepcontrol's
+-- repeats have no effect, PTX ISA.)
+local SHARED_PAIRSEL = [==[
+  const int nsh = npairs - n, p = (int)blockIdx.y < nsh ? n + (int)blockIdx.y : (int)blockIdx.y - nsh;
+  if (p < n) M3_GRID_WAIT(); /* a routed pair: ids are the previous kernel's output */
+]==]
+local function shared_lead(k, t) return t.lead == 1 and k.moe == 1 and k.settled == 0 end
 
 function T.render(k, t, arch, sym)
   local src, threads, smem
@@ -1176,13 +1191,15 @@ function T.render(k, t, arch, sym)
       (t.lead == 1 and LEAD.defs or "") .. F.subst("mxfp8", gemv_mma_body, {
       cols = k.cols, nmax = k.nmax, moe = k.moe, warps = t.warps, rpw = t.rpw, unroll = t.unroll, pipe = t.pipe,
       wlog2 = t.cvt == "hw" and 0 or 8, stage = ring_stage(t), tpc = t.tpc, sym = sym,
-      open = t.lead == 1 and LEAD_OPEN or WAIT_OPEN, wait = t.lead == 1 and LEAD_WAIT or "",
+      open = t.lead == 1 and LEAD_OPEN or WAIT_OPEN,
+      wait = t.lead == 1 and LEAD_WAIT or "",
+      pairsel = shared_lead(k, t) and SHARED_PAIRSEL or PAIRSEL,
       fused_defs = fused_defs(k),
       ring_compute = t.lean == 1 and ("#define CVT_NAT " .. (t.cvt == "hw" and 1 or 0) .. "\n" .. RING_COMPUTE_LEAN)
         or RING_COMPUTE,
       xstage = (t.lean == 1 and t.cvt == "hw") and XSTAGE_NAT or XSTAGE,
       params = k.act == "swiglu" and EPI_PARAMS.act or (k.combine == 1 and EPI_PARAMS.combine or ""),
-      badpair = epi(k) and (EPI_BADPAIR:gsub("%$badwait", t.lead == 1 and BADWAIT or "")) or BADPAIR,
+      badpair = epi(k) and (EPI_BADPAIR:gsub("%$badwait", (t.lead == 1 and k.settled == 1) and BADWAIT or "")) or BADPAIR,
       epi_multi = epi(k) and EPI_MULTI or "", epi_tail = epi(k) and EPI_TAIL or "",
     })
     smem = gemv_smem(k, t)

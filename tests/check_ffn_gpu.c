@@ -910,13 +910,20 @@ END_TEST
  * unchecked; then a second launch with good ids, the outputs poisoned again,
  * over the same tile counts must give every row: the counts came back to zero
  * (also read back). */
-/* settled: the key's settled=1 (ids written two or more launches back: here a
- * host upload) and x written by a kernel launched right before the GEMV over
- * a NaN-poisoned buffer, no sync between: a lead=1 tile that staged x before
- * its grid wait reads NaN or half-written rows (the emulator runs kernels one
- * after the other: there this checks the arithmetic only). */
+/* order (the lead=1 tiles' launch contracts, templates/mxfp8.lua), over
+ * NaN-poisoned buffers with no sync between the launches, so that a tile that
+ * read an input before its grid wait sees NaN or half-written values (the
+ * emulator runs kernels one after the other: there this checks the
+ * arithmetic only):
+ * 1 = ids a host upload (written long before: what the key's settled=1
+ *     vouches for), x written by a kernel launched right before the GEMV;
+ * 2 = x written by a kernel, then ids (and routing weights) by the route
+ *     kernel right before the GEMV, from random logits (the gate|up GEMV's
+ *     order, settled=0; no bad id then, epi 0 only).
+ * settled: the key's settled axis (m3_gemv_args.ids_settled). */
 static void run_gemv_moe_any(int e4m3, int E, int T, int K, int64_t rows, int64_t cols, int xdiv, const char *tile,
-                             int shared, int epi, int settled) {
+                             int shared, int epi, int order, int settled) {
+  ck_assert(order != 2 || (!epi && !settled));
   m3_rng r = rng_for((uint64_t)E * 3 + (uint64_t)rows + (uint64_t)e4m3 + (uint64_t)shared * 17 + (uint64_t)epi);
   const int P = T * K, NS = shared ? T : 0, XR = xdiv == 1 ? P + NS : T, NE = E + (shared ? 1 : 0);
   m3_bf16 *x = rand_bf16(&r, (size_t)XR * cols, 1.0f);
@@ -938,8 +945,8 @@ static void run_gemv_moe_any(int e4m3, int E, int T, int K, int64_t rows, int64_
   for (int p = 0; p < P; p++) ids[p] = (int32_t)(m3_rng_next(&r) % (uint64_t)E);
   ids[P - 1] = E; /* a bad id: that row must stay untouched */
   void *d_tab = dup(h_w, sizeof(void *) * (size_t)E), *d_stab = e4m3 ? dup(h_s, sizeof(void *) * (size_t)E) : NULL;
-  void *d_ids = dup(ids, 4 * (size_t)P);
-  void *d_x = settled ? dpoison(sizeof *x * (size_t)XR * cols) : dup(x, sizeof *x * (size_t)XR * cols);
+  void *d_ids = order == 2 ? dpoison(4 * (size_t)P) : dup(ids, 4 * (size_t)P);
+  void *d_x = order ? dpoison(sizeof *x * (size_t)XR * cols) : dup(x, sizeof *x * (size_t)XR * cols);
   void *d_y = dpoison(sizeof(m3_bf16) * (size_t)(P + NS) * rows);
   m3_gemv_args a = {.n = P, .rows = rows, .cols = cols, .wfmt = e4m3 ? M3_GEMV_E4M3 : M3_GEMV_BF16, .moe = 1,
                     .xdiv = xdiv, .n_experts = E, .act = epi == 1, .alpha = 1.702f, .limit = 7.0f, .beta = 1.0f,
@@ -962,9 +969,24 @@ static void run_gemv_moe_any(int e4m3, int E, int T, int K, int64_t rows, int64_
     GPU_CHECK(m3_gemv_kernel(&g_rt, &a, &k, &e_));
   }
   char ctx[1400];
-  ctx_of(k, settled ? "gemv moe (settled ids) after a kernel that writes x" : shared ? "gemv moe + shared" : "gemv moe",
+  ctx_of(k, order == 1 ? "gemv moe (settled ids) after a kernel that writes x" :
+         order == 2 ? "gemv moe right after the route kernel that writes its ids" : shared ? "gemv moe + shared" : "gemv moe",
          ctx, sizeof ctx);
-  if (settled) GPU_CHECK(m3_fill(&g_rt, d_x, XR * cols, "bf16", m3_rng_next(&r), 1.0f, g_rt.stream, &e_));
+  if (order) GPU_CHECK(m3_fill(&g_rt, d_x, XR * cols, "bf16", m3_rng_next(&r), 1.0f, g_rt.stream, &e_));
+  void *d_l = NULL, *d_rw = NULL;
+  if (order == 2) {
+    ck_assert_int_eq(P % T, 0);
+    float *lg = malloc(sizeof *lg * (size_t)T * E);
+    for (int i = 0; i < T * E; i++) lg[i] = 4.0f * m3_rng_unif(&r) - 2.0f;
+    d_l = dup(lg, sizeof *lg * (size_t)T * E);
+    d_rw = dpoison(sizeof(float) * (size_t)P);
+    free(lg);
+    m3_route_args ra = {.n_tokens = T, .n_experts = E, .topk = K, .renormalize = 1, .routed_scaling = 1.0f};
+    m3_variant rv;
+    ck_assert_int_eq(m3_route_key(&ra, "route", &rv, &e), M3_OK);
+    m3_kernel *rk = kern(&rv, NULL);
+    GPU_CHECK(m3_launch_route(rk, &ra, d_l, NULL, d_ids, d_rw, g_rt.stream, &e_));
+  }
   if (epi)
     GPU_CHECK(m3_launch_gemv_moe_fused(k, &a, d_x, d_tab, d_stab, d_ids, h_w[E], h_s[E], NS, d_y, &ep, g_rt.stream,
                                        &e_));
@@ -973,9 +995,14 @@ static void run_gemv_moe_any(int e4m3, int E, int T, int K, int64_t rows, int64_
   else
     GPU_CHECK(m3_launch_gemv_moe(k, &a, d_x, d_tab, d_stab, d_ids, d_y, g_rt.stream, &e_));
   sync_ok();
-  if (settled) { /* the reference reads what the fill wrote */
+  if (order) { /* the reference reads what the fill (and the route) wrote */
     free(x);
     x = down(d_x, sizeof *x * (size_t)XR * cols);
+  }
+  if (order == 2) {
+    free(ids);
+    ids = down(d_ids, 4 * (size_t)P);
+    for (int p = 0; p < P; p++) ck_assert_msg(ids[p] >= 0 && ids[p] < E, "%s: route wrote id %d", ctx, ids[p]);
   }
   m3_bf16 *y = down(d_y, sizeof(m3_bf16) * (size_t)(P + NS) * rows), *yr = malloc(sizeof *yr * (size_t)rows);
   for (int p = 0; p < P + NS; p++) {
@@ -1047,18 +1074,18 @@ static void run_gemv_moe_any(int e4m3, int E, int T, int K, int64_t rows, int64_
     free(q[x2]); free(s[x2]); free(wb[x2]);
   }
   m3_dev_free(d_tab); m3_dev_free(d_stab); m3_dev_free(d_ids); m3_dev_free(d_x); m3_dev_free(d_y);
-  m3_dev_free(d_cw); m3_dev_free(d_eo); m3_dev_free(d_cnt);
+  m3_dev_free(d_cw); m3_dev_free(d_eo); m3_dev_free(d_cnt); m3_dev_free(d_l); m3_dev_free(d_rw);
   free(q); free(s); free(wb); free(h_w); free(h_s); free(ids); free(x); free(y); free(yr); free(yref); free(cw);
 }
 
 static void run_gemv_moe(int e4m3, int E, int T, int K, int64_t rows, int64_t cols, int xdiv, const char *tile,
                          int shared) {
-  run_gemv_moe_any(e4m3, E, T, K, rows, cols, xdiv, tile, shared, 0, 0);
+  run_gemv_moe_any(e4m3, E, T, K, rows, cols, xdiv, tile, shared, 0, 0, 0);
 }
 /* The decode step's MoE launches with their epilogues: gate|up [rows = 2I]
  * with act=swiglu (epi 1), down with combine=1 (epi 2). */
 static void run_gemv_moe_epi(int epi, int E, int T, int K, int64_t rows, int64_t cols, const char *tile) {
-  run_gemv_moe_any(1, E, T, K, rows, cols, epi == 1 ? K : 1, tile, 1, epi, 0);
+  run_gemv_moe_any(1, E, T, K, rows, cols, epi == 1 ? K : 1, tile, 1, epi, 0, 0);
 }
 
 START_TEST(gemv_moe_expert_shapes) {
@@ -1102,32 +1129,41 @@ START_TEST(gemv_moe_every_tile) {
 }
 END_TEST
 
-/* The down GEMV's key with settled=1 lets lead=1 tiles resolve their experts
- * and stream the first weights before the grid wait (templates/mxfp8.lua):
- * those tiles (lead=0 ones render the same code as settled=0's), plain and
- * with the combine epilogue (a bad pair's CTA writes its epilogue only after
- * the wait), x written by the kernel just before; 0: the real down shape at
- * the model's ring tiles, 1: every tile's loop (tpc 0, 1, 8), 2: combine=1. */
+/* lead=1 on the MoE GEMVs (templates/mxfp8.lua).  The down GEMV's key has
+ * settled=1 (its ids were written by route, two launches back): every CTA
+ * resolves its experts and streams its first weights before the grid wait;
+ * a bad pair's CTA writes the combine epilogue only after it.  The gate|up
+ * GEMV's (settled=0, right after route): only the shared expert's CTAs,
+ * whose grid rows come first, start before the wait.  lead=0 tiles render
+ * the same code either way.  _i: 0 = the real down shape at the model's ring
+ * tiles, 1 = the real gate|up shape right after route, 2 = every down tile's
+ * loop (tpc 0, 1, 8), 3 = with the combine, 4 = every gate|up tile (tpc=1),
+ * 5 = with the SwiGLU epilogue. */
 static int moe_lead_tile(const char *t) {
   if (!strstr(t, "lead=1")) return 0;
   if (!g_emu) return tpc_0_1_or_8(t) && !strstr(t, "lean=1");
   return strstr(t, "warps=4,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=1,") || strstr(t, "warps=2,rpw=1,unroll=4,cvt=hw,pipe=4,tpc=8,") ||
-         strstr(t, "warps=4,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=0,");
+         strstr(t, "warps=4,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=0,") || strstr(t, "warps=4,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=1,");
 }
 
-START_TEST(gemv_moe_lead_settled) {
-  if (_i == 0) {
-    static const char *const real[] = {"warps=4,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=4,lead=1,lean=0",
-                                       "warps=4,rpw=1,unroll=4,cvt=hw,pipe=4,tpc=1,lead=1,lean=1"};
-    for (int i = 0; i < 2; i++) run_gemv_moe_any(1, 3, 1, 4, real_rows(6144), 3072, 1, real[i], 1, 0, 1);
+START_TEST(gemv_moe_lead) {
+  if (_i <= 1) {
+    static const char *const real[2][2] = {
+        {"warps=4,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=4,lead=1,lean=0", "warps=4,rpw=1,unroll=4,cvt=hw,pipe=4,tpc=1,lead=1,lean=1"},
+        {"warps=4,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=1,lead=1,lean=0", "warps=4,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=1,lead=1,lean=1"}};
+    for (int i = 0; i < 2; i++)
+      run_gemv_moe_any(1, 5, 1, 4, real_rows(6144), _i ? 6144 : 3072, _i ? 4 : 1, real[_i][i], 1, 0, _i ? 2 : 1, !_i);
     return;
   }
-  const int epi = _i == 2 ? 2 : 0;
-  m3_gemv_args a = {.n = 8, .rows = 515, .cols = 1024, .wfmt = M3_GEMV_E4M3, .moe = 1, .xdiv = 1, .n_experts = 5,
-                    .combine = epi == 2, .ids_settled = 1};
+  const int down = _i <= 3, epi = _i == 3 ? 2 : _i == 5 ? 1 : 0;
+  const int64_t rows = down ? 515 : 640;
+  m3_gemv_args a = {.n = 8, .rows = rows, .cols = 1024, .wfmt = M3_GEMV_E4M3, .moe = 1, .xdiv = down ? 1 : 4,
+                    .n_experts = 5, .act = epi == 1, .alpha = 1.702f, .limit = 7.0f, .beta = 1.0f, .combine = epi == 2,
+                    .ids_settled = down};
   char (*tiles)[256];
-  const int n = gemv_case_tiles(&a, 1, moe_lead_tile, 3, &tiles);
-  for (int i = 0; i < n; i++) run_gemv_moe_any(1, 5, 2, 4, 515, 1024, 1, tiles[i], 1, epi, 1);
+  const int n = gemv_case_tiles(&a, 1, moe_lead_tile, down ? 3 : 1, &tiles);
+  for (int i = 0; i < n; i++)
+    run_gemv_moe_any(1, 5, 2, 4, rows, 1024, down ? 1 : 4, tiles[i], 1, epi, down || epi ? 1 : 2, down);
   free(tiles);
 }
 END_TEST
@@ -1461,6 +1497,53 @@ START_TEST(moe_uses_tuned_record) {
 }
 END_TEST
 
+/* The MoE layer with lead=1 tiles forced on both MXFP8 GEMVs (records put
+ * into the runtime's tuning DB): the gate|up GEMV right after route (settled=0:
+ * the shared expert's CTAs start before the grid wait, the routed ones read
+ * the ids the route kernel just wrote after it) and the down GEMV (settled=1:
+ * every CTA resolves its experts before the wait), in the step's own launch
+ * order under programmatic dependent launch; against m3_ref_moe. */
+START_TEST(moe_lead_tiles_in_the_layer) {
+  m3_rt rt;
+  m3_err e;
+  ck_assert_msg(m3_rt_open(&rt, 0, &e) == M3_OK, "%s", e.msg);
+  if (!rt.db) ck_assert_ptr_nonnull(rt.db = m3_tunedb_new());
+  static const struct { int64_t rows, cols; int settled; const char *tile; } G[2] = {
+      {512, 512, 0, "warps=2,rpw=1,unroll=4,cvt=alu,pipe=3,tpc=1,lead=1,lean=0"},   /* gate|up: 2I x H */
+      {512, 256, 1, "warps=2,rpw=1,unroll=4,cvt=alu,pipe=4,tpc=0,lead=1,lean=0"}};  /* down: H x I */
+  char keys[2][M3_KEY_MAX];
+  for (int i = 0; i < 2; i++) {
+    m3_gemv_args a = {.n = 4, .rows = G[i].rows, .cols = G[i].cols, .wfmt = M3_GEMV_E4M3, .moe = 1,
+                      .xdiv = G[i].settled ? 1 : 4, .n_experts = 16, .ids_settled = G[i].settled};
+    m3_variant v;
+    ck_assert_msg(m3_gemv_key(&a, 1, &v, &e) == M3_OK, "%s", e.msg);
+    ck_assert_msg(m3_render_canon(rt.jit.lua, &v, &e) == M3_OK, "%s", e.msg);
+    m3_variant_print_axes(&v, keys[i], sizeof keys[i]);
+    m3_tune_record r = m3_tune_record_empty();
+    r.key = keys[i];
+    ck_assert_int_eq(m3_bucket_add(&r.bucket, "tokens", 4, &e), M3_OK);
+    r.arch = rt.dev.arch;
+    r.tile = G[i].tile;
+    r.default_tile = G[i].tile;
+    r.prov.template_hash = "test";
+    ck_assert_msg(m3_tunedb_put(rt.db, &r, &e) == M3_OK, "%s", e.msg);
+  }
+  run_moe_rt(&rt, 1, 1, 1, 256); /* one token, decode path: the shared expert rides along in both GEMVs */
+  int seen = 0;
+  for (int i = 0; i < rt.n_kernels; i++) {
+    char t[256];
+    if (strcmp(rt.kernels[i]->key.op, "mxfp8") || !m3_variant_axis_int(&rt.kernels[i]->key, "moe", 0)) continue;
+    m3_variant_print_tile(&rt.kernels[i]->key, t, sizeof t);
+    const int d = (int)m3_variant_axis_int(&rt.kernels[i]->key, "settled", 0);
+    ck_assert_msg(rt.kernels[i]->from_tuning && !strcmp(t, G[d].tile), "MoE GEMV (settled=%d) ran %s (from tuning: %d)",
+                  d, t, rt.kernels[i]->from_tuning);
+    seen |= 1 << d;
+  }
+  ck_assert_msg(seen == 3, "m3_moe_forward resolved MoE GEMVs %#x (gate|up 1, down 2)", seen);
+  m3_rt_close(&rt);
+}
+END_TEST
+
 /* m3_moe_forward's opt-in epilogues (M3KIT_MOE_FUSE): the combine in the
  * down GEMV, and also SwiGLU in the gate|up GEMV; MXFP8 decode (the only
  * path that fuses) at 1 and 5 tokens, against m3_ref_moe as the plain path. */
@@ -1703,12 +1786,13 @@ static Suite *make(void) {
   tcase_add_loop_test(c[6].tc, gemv_moe_expert_shapes, 0, 2);
   tcase_add_test(c[9].tc, gemv_moe_every_tile);
   tcase_add_loop_test(c[11].tc, gemv_moe_epilogues, 0, 2);
-  tcase_add_loop_test(c[11].tc, gemv_moe_lead_settled, 0, 3);
+  tcase_add_loop_test(c[11].tc, gemv_moe_lead, 0, 6);
   tcase_add_loop_test(c[10].tc, gemv_ring_real_cols, 0, 2);
   tcase_add_loop_test(c[10].tc, gemv_e8m0_edge_codes, 0, 2);
   tcase_add_loop_test(c[6].tc, cublas_gemm, 0, 4);
   tcase_add_loop_test(c[7].tc, moe_end_to_end, 0, 10);
   tcase_add_test(c[7].tc, moe_uses_tuned_record);
+  tcase_add_test(c[7].tc, moe_lead_tiles_in_the_layer);
   tcase_add_loop_test(c[7].tc, moe_fused_paths, 0, 2);
   tcase_add_test(c[8].tc, greedy_matches_reference);
   tcase_add_loop_test(c[8].tc, top_p_matches_reference, 0, 5);

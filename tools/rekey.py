@@ -6,7 +6,8 @@ A record is kept by the runtime while the code hash of its tile matches (docs/tu
 edits change the source of a tile without changing what it compiles to: a refactor, or a new tile
 axis whose first value emits the old code.  For every record of DB that was current under
 OLD_TEMPLATE_DIR (a copy of templates/ before the edit, e.g. `git worktree add /tmp/old HEAD~1`) and
-is stale under the templates m3kit embeds now, this renders the same tile - completed with each
+is stale under the templates m3kit embeds now (its key completed with the key axes the edit added:
+the completion `m3kit gen --list` holds, else their first values), this renders the same tile - completed with each
 combination of values of the tile axes the edit added - with the new templates; where its code hash
 is the record's (the same source but for comments, blanks and the kernel's name), or else where
 the two compile (NVRTC, no GPU) to cubins that are byte for byte the same apart from
@@ -54,17 +55,25 @@ def schemas(m3kit, env):
     return out
 
 
-def completed_key(key, key_axes):
-    """key with the key axes an edit added, each at its first value (an int axis at 0): the values
-    that must emit the old code (docs/tuning-db.md, "Stale records"); key itself when none is missing."""
+def completed_key(key, key_axes, listed=()):
+    """key with the key axes an edit added: of the completions (each added axis at any of its values, an
+    int axis at 0), the one the model's variant list (`m3kit gen --list`) holds when exactly one is there
+    (a new axis that sorts launches, e.g. session 26's `settled`: the MoE down GEMV's key has 1), else each
+    at its first value; key itself when none is missing.  Either way the record is re-keyed only where the
+    tile's code is the same (main)."""
     name, body = key.split('(', 1)
     have = dict(f.split('=', 1) for f in body.rstrip(')').split(',') if f)
     if all(a in have for a, _ in key_axes) and len(have) == len(key_axes):
         return key
     if any(a not in dict(key_axes) for a in have):
         return None  # an axis was removed
-    return '%s(%s)' % (name, ','.join('%s=%s' % (a, have.get(a, '0' if v == ['<int>'] else v[0]))
-                                      for a, v in key_axes))
+    added = [(a, ['0'] if v == ['<int>'] else v) for a, v in key_axes if a not in have]
+    cands = []
+    for vals in itertools.product(*[v for _, v in added]):
+        full = dict(have, **dict(zip([a for a, _ in added], vals)))
+        cands.append('%s(%s)' % (name, ','.join('%s=%s' % (a, full[a]) for a, _ in key_axes)))
+    hits = [c for c in cands if c in listed]
+    return hits[0] if len(hits) == 1 else cands[0]
 
 
 def tile_dict(tile):
@@ -144,6 +153,7 @@ def main():
     for e in (env_new, env_old):  # compiles go to a private cubin cache, never the user's
         e['M3KIT_CACHE_DIR'] = os.path.join(tempfile.gettempdir(), 'm3kit-rekey-cache')
     new, old = schemas(m3kit, env_new), schemas(m3kit, env_old)
+    listed = set(l.strip() for l in run([m3kit, 'gen', '--list'], env_new).splitlines() if '(' in l)
     global SCHEME
     # the tuners' lock (cache/store.c m3_lock): no tuner merges into DB while it is rewritten
     db_path, lock, mode, d = tunedb_file.open_locked(db_path, 'rekey.py')
@@ -159,7 +169,7 @@ def main():
         name = r['key'].split('(', 1)[0]
         full = '%s[%s]@%s' % (r['key'], r['tile'], r['arch'])
         prov = r['provenance']
-        key_new = completed_key(r['key'], new[name][2]) if name in new else None
+        key_new = completed_key(r['key'], new[name][2], listed) if name in new else None
 
         def current(env, schema):  # the runtime's rule (docs/tuning-db.md, cache/tunedb.c is_stale)
             if name not in schema:

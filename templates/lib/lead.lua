@@ -5,7 +5,9 @@
 -- are complete - but a kernel's inputs are safe to read early only if NO
 -- kernel of the stream writes them (n may be a library kernel with other PDL
 -- habits): in m3kit's decode step, token_seq, positions, seq_lens and the
--- block tables (host copies made before the step's first kernel).  A lead-in
+-- block tables (host copies made before the step's first kernel); or where
+-- the key vouches that the writer ran two or more launches back, among
+-- m3kit's own kernels (mxfp8.lua settled=1: the MoE down GEMV's expert ids).  A lead-in
 -- writes nothing but shared memory, and may prefetch into L2 anything (L2 is
 -- where every SM's writes meet, so a prefetch never serves stale data).
 -- Emitted only for tiles that have a lead-in, so other tiles' code is the same
