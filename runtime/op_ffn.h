@@ -238,10 +238,14 @@ typedef struct m3_gemv_epilogue {
  * every tile - or SwiGLU constants other than the kernel's; combine: no
  * shared pairs, or their number not dividing a->n), missing buffers, or an
  * epilogue output that is y.
- * A kernel of a key with settled=1 (a->ids_settled) and a lead=1 tile reads
- * ids, w_tab, s_tab, sw, ss and the weights before its grid wait, while the
- * kernels launched before it on `stream` may still run: the caller vouches
- * that none of them writes those (ids written two or more launches back). */
+ * A lead=1 tile reads some inputs before its grid wait, while the kernels
+ * launched before it on `stream` may still run (programmatic dependent
+ * launch; templates/mxfp8.lua): with settled=1 (a->ids_settled) ids, w_tab,
+ * s_tab, sw, ss and the weights - the caller vouches that none of those
+ * kernels writes them (ids written two or more launches back); with
+ * settled=0, the shared pairs' CTAs only (their grid rows first): sw, ss and
+ * the shared expert's weight bytes, which no kernel of the stream may write.
+ * x, the epilogue's buffers and (settled=0) ids only after the wait. */
 m3_status m3_launch_gemv_moe_fused(const m3_kernel *k, const m3_gemv_args *a, const void *x,
                                    const void *const *w_tab, const void *const *s_tab, const int32_t *ids,
                                    const void *sw, const void *ss, int64_t n_shared, void *y,
