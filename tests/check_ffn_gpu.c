@@ -1763,7 +1763,8 @@ static Suite *make(void) {
   /* One TCase per kernel family so CK_RUN_CASE=<name> runs one. */
   struct { const char *name; TCase *tc; } c[] = {{"norm", 0}, {"embed", 0}, {"route", 0}, {"swiglu", 0},
                                                  {"combine", 0}, {"mxfp8", 0}, {"gemv", 0}, {"moe", 0},
-                                                 {"sample", 0}, {"gemv_tiles", 0}, {"gemv_ring", 0}, {"gemv_epi", 0}};
+                                                 {"sample", 0}, {"gemv_tiles", 0}, {"gemv_ring", 0}, {"gemv_epi", 0},
+                                                 {"gemv_lead", 0}};
   for (size_t i = 0; i < sizeof c / sizeof *c; i++) {
     c[i].tc = tcase_create(c[i].name);
     tcase_set_timeout(c[i].tc, 3600);
@@ -1796,7 +1797,7 @@ static Suite *make(void) {
   tcase_add_loop_test(c[6].tc, gemv_moe_expert_shapes, 0, 2);
   tcase_add_test(c[9].tc, gemv_moe_every_tile);
   tcase_add_loop_test(c[11].tc, gemv_moe_epilogues, 0, 2);
-  tcase_add_loop_test(c[11].tc, gemv_moe_lead, 0, 6);
+  tcase_add_loop_test(c[12].tc, gemv_moe_lead, 0, 6);
   tcase_add_loop_test(c[10].tc, gemv_ring_real_cols, 0, 2);
   tcase_add_loop_test(c[10].tc, gemv_e8m0_edge_codes, 0, 2);
   tcase_add_loop_test(c[6].tc, cublas_gemm, 0, 4);

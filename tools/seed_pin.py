@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""seed_pin.py DB KEY BUCKET TILE --why TEXT [--m3kit PATH] - make another of a record's timed
-candidates its winner, where a measurement outside the tuner ranks them otherwise.
+"""seed_pin.py DB KEY BUCKET TILE --why TEXT [--m3kit PATH] [--untimed] - make another of a record's
+timed candidates its winner, where a measurement outside the tuner ranks them otherwise.
 
 The tuner times each candidate alone (or as a graph of 16 launches of itself); the decode step runs
 it between other kernels.  Where whole-step A/B runs (`device-run.sh ab`, one seed per tile) show
@@ -11,7 +11,14 @@ and TEXT (the A/B and where its logs are) as the record's `pinned` field (proven
 notes the change), so that the file says why its winner is not the fastest candidate; a later
 `m3kit tune` keeps a pinned tile while it times within 3% of the tuner's own pick.  DB is rewritten
 as tools/tunedb_file.py writes it (at a symlink's target, under the tuners' lock, through a
-temporary file and a rename)."""
+temporary file and a rename).
+
+--untimed: TILE need not be one of the record's timed candidates, for a tile axis that an isolated
+timing cannot rank because it only changes how a launch overlaps the one before it (a lead-in, e.g.
+session 26's `lead=1` on the MoE GEMVs: the same kernel body, statements moved ahead of the grid
+wait).  TILE must render (`m3kit gen --emit`); tuned_us and the metric stay the record's (its tile's
+timing, the body both share), and TEXT must say what measured the pin (the whole-step A/B, on
+which GPU)."""
 import os, subprocess, sys, tempfile
 
 import tunedb_file
@@ -20,6 +27,9 @@ import tunedb_file
 def main():
     args = sys.argv[1:]
     m3kit, why = 'm3kit', None
+    untimed = '--untimed' in args
+    if untimed:
+        args.remove('--untimed')
     for opt in ('--m3kit', '--why'):
         if opt in args:
             i = args.index(opt)
@@ -39,8 +49,9 @@ def main():
         sys.exit('seed_pin.py: %s: %d records of %s at %s' % (db_path, len(recs), key, bucket))
     r = recs[0]
     cand = [c for c in r.get('candidates', []) if c['tile'] == tile and c.get('disposition') == 'PASSED']
-    if not cand:
-        sys.exit('seed_pin.py: %s at %s: no PASSED candidate [%s]' % (key, bucket, tile))
+    if not cand and not untimed:
+        sys.exit('seed_pin.py: %s at %s: no PASSED candidate [%s] (--untimed: a tile the tuner cannot rank)' %
+                 (key, bucket, tile))
     full = '%s[%s]@%s' % (key, tile, r['arch'])
     env = dict(os.environ, M3KIT_CACHE_DIR=os.path.join(tempfile.gettempdir(), 'm3kit-pin-cache'))
     try:
@@ -58,7 +69,8 @@ def main():
         sys.exit('seed_pin.py: %s: the record was tuned with template hash %s, %s renders %s: carry it over '
                  'first (m3kit tune --rehash, tools/rekey.py) or re-tune it' %
                  (key, r['provenance'].get('template_hash'), m3kit, now))
-    old_tile, old_us, us = r['tile'], r['tuned_us'], cand[0]['median_us']
+    old_tile, old_us = r['tile'], r['tuned_us']
+    us = cand[0]['median_us'] if cand else old_us  # --untimed: the body's timing, the record's
     r['tile'], r['tuned_us'] = tile, us
     m = r.get('metric')
     if m and m.get('achieved'):  # bytes (or FLOPs) over time: the same work in the pinned tile's time
@@ -76,8 +88,12 @@ def main():
             r['pinned'] = why
     prov = r['provenance']
     prov['code_hash'] = code
-    prov['command'] = prov.get('command', '') + ' (winner pinned by tools/seed_pin.py: [%s], tuner %.2f us, over ' \
-        'the tuner\'s [%s], %.2f us; why: "pinned")' % (tile, us, old_tile, old_us)
+    if cand:
+        prov['command'] = prov.get('command', '') + ' (winner pinned by tools/seed_pin.py: [%s], tuner %.2f us, ' \
+            'over the tuner\'s [%s], %.2f us; why: "pinned")' % (tile, us, old_tile, old_us)
+    else:
+        prov['command'] = prov.get('command', '') + ' (pinned by tools/seed_pin.py --untimed: [%s], not a timed ' \
+            'candidate, over [%s], whose %.2f us it keeps; why: "pinned")' % (tile, old_tile, old_us)
     tunedb_file.write(db_path, mode, d)
     print('%s: %s at %s -> [%s] (was [%s])' % (db_path, key, bucket, tile, old_tile))
 
