@@ -158,7 +158,8 @@ function T.valid(k, t, arch)
   end
   if t.lead == 1 then
     -- The weights are the only input no kernel of the stream writes; a MoE
-    -- launch needs the router's expert ids first.
+    -- launch needs the router's expert ids first, unless they were written
+    -- two launches back (settled=1), or for the shared expert's pairs.
     if k.w ~= "e4m3" or t.pipe < 3 then return false, "lead=1 is the W8A16 ring's (w=e4m3, pipe >= 3)" end
     if k.moe ~= 0 and k.settled ~= 1 and t.tpc ~= 1 then
       return false, "lead=1 on a MoE launch whose ids come from the previous kernel (settled=0) starts only the " ..
