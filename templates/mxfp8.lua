@@ -96,7 +96,7 @@ T.tiles = {
                                     -- CTAs of tpc=8 put 2 on 60 SMs and 1 on 72; gate|up's 96 left 36 SMs idle)
   {"lead", {0, 1}},                 -- W8A16 GEMV with the ring: 1 = the ring's first stages are issued before the
                                     -- grid wait, while the previous kernel still runs (lib/lead.lua): every CTA's
-                                    -- (non-MoE, settled=1), or the shared expert's CTAs' (MoE, settled=0, tpc=1:
+                                    -- (non-MoE, or MoE with settled=1), or the shared expert's CTAs' (MoE, settled=0, tpc=1:
                                     -- the routed ones need the router's ids; the shared pairs' CTAs come first)
   {"lean", {0, 1}},                 -- W8A16 GEMV with the ring: 1 = fewer instructions a block (RING_COMPUTE_LEAN)
 }

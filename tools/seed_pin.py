@@ -40,14 +40,22 @@ def main():
             else:
                 why = args[i + 1]
             del args[i:i + 2]
-    if len(args) != 4 or not why:
+    if len(args) != 4:
         sys.exit(__doc__)
+    if not why:
+        sys.exit('seed_pin.py: --why TEXT is required: the A/B that chose the tile, and where its logs are')
     db_path, key, bucket, tile = args
     db_path, lock, mode, d = tunedb_file.open_locked(db_path, 'seed_pin.py')
     recs = [r for r in d['records'] if r['key'] == key and r['bucket'] == bucket]
     if len(recs) != 1:
         sys.exit('seed_pin.py: %s: %d records of %s at %s' % (db_path, len(recs), key, bucket))
     r = recs[0]
+    # TILE in the record's axis order: candidates and a later tune's pin lookup compare whole strings
+    want = dict(f.split('=', 1) for f in tile.split(',') if '=' in f)
+    have = [f.split('=', 1)[0] for f in r['tile'].split(',')]
+    if sorted(want) != sorted(have) or len(want) != len(tile.split(',')):
+        sys.exit('seed_pin.py: [%s]: the tile axes of %s are %s' % (tile, key, ','.join(have)))
+    tile = ','.join('%s=%s' % (a, want[a]) for a in have)
     cand = [c for c in r.get('candidates', []) if c['tile'] == tile and c.get('disposition') == 'PASSED']
     if not cand and not untimed:
         sys.exit('seed_pin.py: %s at %s: no PASSED candidate [%s] (--untimed: a tile the tuner cannot rank)' %
