@@ -87,11 +87,9 @@ def tile_text(d, axes):
 def code_hash(m3kit, env, full):
     """The code hash of a full key, or None when it does not render (no such axis, invalid tile)."""
     try:
-        head = run([m3kit, 'gen', '--emit', full], env).split('\n', 1)[0]
+        return tunedb_file.emit_hashes(m3kit, full, env)[0]
     except RuntimeError:
         return None
-    m = re.search(r'code hash ([^\s,)]+)', head)
-    return m.group(1) if m else None
 
 
 def elf_sections(data):

@@ -18,7 +18,7 @@ through a temporary file and a rename.  Prints each change.
 Session 26's arms (bench/README.md, "as of session 26"): the MoE GEMVs back at lead=0 (--key moe=1
 --key act=none --set lead=0), the W8A16 ring at lean=1 (--key op=gemv --key w=e4m3 --tile pipe=3
 --set lean=1, and again with pipe=4)."""
-import os, re, subprocess, sys
+import os, sys
 
 import tunedb_file
 
@@ -87,15 +87,12 @@ def main():
             continue
         full = '%s[%s]@%s' % (r['key'], new, r['arch'])
         try:
-            p = subprocess.run([m3kit, 'gen', '--emit', full], capture_output=True, text=True)
-        except OSError as ex:
-            sys.exit('seed_arm.py: cannot run %s: %s' % (m3kit, ex))
-        m = re.search(r'code hash (\S+)', p.stdout.split('\n', 1)[0]) if p.returncode == 0 else None
-        if not m:
-            sys.exit('seed_arm.py: %s does not render: %s' % (full, (p.stderr or p.stdout).strip()))
+            code = tunedb_file.emit_hashes(m3kit, full)[0]
+        except RuntimeError as ex:
+            sys.exit('seed_arm.py: %s' % ex)
         print('%s %s: [%s] -> [%s]' % (r['key'], r['bucket'], r['tile'], new))
         prov = r.setdefault('provenance', {})
-        prov['code_hash'] = m.group(1)
+        prov['code_hash'] = code
         prov['command'] = prov.get('command', '') + ' (A/B arm by tools/seed_arm.py: [%s] -> [%s], timings the ' \
             'old tile\'s%s)' % (r['tile'], new, '; its pin dropped' if 'pinned' in r else '')
         r['tile'] = new

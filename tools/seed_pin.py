@@ -19,7 +19,7 @@ session 26's `lead=1` on the MoE GEMVs: the same kernel body, statements moved a
 wait).  TILE must render (`m3kit gen --emit`); tuned_us and the metric stay the record's (its tile's
 timing, the body both share), and TEXT must say what measured the pin (the whole-step A/B, on
 which GPU)."""
-import os, subprocess, sys, tempfile
+import os, sys, tempfile
 
 import tunedb_file
 
@@ -63,16 +63,11 @@ def main():
     full = '%s[%s]@%s' % (key, tile, r['arch'])
     env = dict(os.environ, M3KIT_CACHE_DIR=os.path.join(tempfile.gettempdir(), 'm3kit-pin-cache'))
     try:
-        p = subprocess.run([m3kit, 'gen', '--emit', full], env=env, capture_output=True, text=True)
-    except OSError as ex:
-        sys.exit('seed_pin.py: cannot run %s: %s' % (m3kit, ex))
-    head = p.stdout.split('\n', 2)
-    if p.returncode or len(head) < 2 or 'code hash ' not in head[0] or 'template hash ' not in head[1]:
-        sys.exit('seed_pin.py: m3kit gen --emit %s: %s' % (full, (p.stderr or p.stdout[:200]).strip()))
-    code = head[0].split('code hash ', 1)[1].split()[0]
+        code, now = tunedb_file.emit_hashes(m3kit, full, env)
+    except RuntimeError as ex:
+        sys.exit('seed_pin.py: %s' % ex)
     # The record's timings are of the code its template rendered then: only where the template the
     # m3kit renders today is that one is TILE's rendering the code its candidate timing measured.
-    now = head[1].split('template hash ', 1)[1].split(')')[0]
     if now != r['provenance'].get('template_hash'):
         sys.exit('seed_pin.py: %s: the record was tuned with template hash %s, %s renders %s: carry it over '
                  'first (m3kit tune --rehash, tools/rekey.py) or re-tune it' %

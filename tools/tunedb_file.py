@@ -1,4 +1,4 @@
-"""tunedb_file.py - how the tools that edit a tuning DB in place (rekey.py, seed_pin.py) open and
+"""tunedb_file.py - how the tools that edit a tuning DB (rekey.py, seed_pin.py, seed_arm.py) open and
 write it, as m3kit's cache/store.c does: a symlinked DB is edited at its target and locked there
 (`<target>.lock`, the tuners' flock), and written whole through a temporary file in the same
 directory (the DB's mode kept, fsync'ed) renamed over it, in the seed's layout (seed_merge.py)."""
@@ -37,3 +37,17 @@ def write(real, mode, doc):
         if os.path.exists(t):
             os.unlink(t)
         raise
+
+
+def emit_hashes(m3kit, full, env=None):
+    """(code hash, template hash) that `m3kit gen --emit FULL` (KEY[TILE]@ARCH) prints above the source;
+    raises RuntimeError with m3kit's own message where it does not render (no such axis, valid()
+    refusing the tile) or cannot run."""
+    try:
+        p = subprocess.run([m3kit, 'gen', '--emit', full], env=env, capture_output=True, text=True)
+    except OSError as ex:
+        raise RuntimeError('cannot run %s: %s' % (m3kit, ex))
+    head = p.stdout.split('\n', 2)
+    if p.returncode or len(head) < 2 or 'code hash ' not in head[0] or 'template hash ' not in head[1]:
+        raise RuntimeError('m3kit gen --emit %s: %s' % (full, (p.stderr or p.stdout[:200]).strip()))
+    return head[0].split('code hash ', 1)[1].split()[0], head[1].split('template hash ', 1)[1].split(')')[0]
