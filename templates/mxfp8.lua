@@ -1025,15 +1025,16 @@ local EPI_PARAMS = {
 local BADPAIR = [==[
   if (!pair_weights(p, n, ids, n_tab, w_tab, ws_tab, w, ws, x, wb, sb)) return;   /* the whole CTA: y row p stays */
 ]==]
+-- A bad pair's CTA writes its epilogue only after the grid wait, as every
+-- other global write: with lead=1 and settled=1 it may not have waited yet
+-- (elsewhere it has, and griddepcontrol's repeats have no effect, PTX ISA).
 local EPI_BADPAIR = [==[
   if (!pair_weights(p, n, ids, n_tab, w_tab, ws_tab, w, ws, x, wb, sb)) {   /* the whole CTA: y row p stays */
-$badwait    if (warp == 0) EPI_TILE((int)blockIdx.x, p, (int)blockIdx.x * RPW * 16);   /* its tile still counts */
+    M3_GRID_WAIT(); /* the epilogue writes global memory: after the wait */
+    if (warp == 0) EPI_TILE((int)blockIdx.x, p, (int)blockIdx.x * RPW * 16);   /* its tile still counts */
     return;
   }
 ]==]
--- lead=1 (settled=1): a bad pair's CTA writes its epilogue only after the
--- grid wait, as every other global write (lib/lead.lua).
-local BADWAIT = "    M3_GRID_WAIT(); /* the epilogue writes global memory: after the wait */\n"
 local EPI_MULTI = [==[
       if (warp == 0) EPI_TILE(clt, pp, tr0);
 ]==]
@@ -1200,7 +1201,7 @@ function T.render(k, t, arch, sym)
         or RING_COMPUTE,
       xstage = (t.lean == 1 and t.cvt == "hw") and XSTAGE_NAT or XSTAGE,
       params = k.act == "swiglu" and EPI_PARAMS.act or (k.combine == 1 and EPI_PARAMS.combine or ""),
-      badpair = epi(k) and (EPI_BADPAIR:gsub("%$badwait", (t.lead == 1 and k.settled == 1) and BADWAIT or "")) or BADPAIR,
+      badpair = epi(k) and EPI_BADPAIR or BADPAIR,
       epi_multi = epi(k) and EPI_MULTI or "", epi_tail = epi(k) and EPI_TAIL or "",
     })
     smem = gemv_smem(k, t)
