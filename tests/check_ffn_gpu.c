@@ -909,8 +909,8 @@ END_TEST
  * sits in the last token's pairs, whose act rows and out row are left
  * unchecked; then a second launch with good ids, the outputs poisoned again,
  * over the same tile counts must give every row: the counts came back to zero
- * (also read back). */
-/* order (the lead=1 tiles' launch contracts, templates/mxfp8.lua), over
+ * (also read back).
+ * order (the lead=1 tiles' launch contracts, templates/mxfp8.lua), over
  * NaN-poisoned buffers with no sync between the launches, so that a tile that
  * read an input before its grid wait sees NaN or half-written values (the
  * emulator runs kernels one after the other: there this checks the
@@ -1469,6 +1469,24 @@ static void run_moe_rt(m3_rt *rt, int e4m3, int64_t N, int path, int Is) {
 
 static void run_moe(int e4m3, int64_t N, int path, int Is) { run_moe_rt(&g_rt, e4m3, N, path, Is); }
 
+/* A record in rt's tuning DB: key v (canonicalised here) at tokens=`tokens`
+ * runs `tile` (the runtime looks it up as it would a tuned one). */
+static void put_record(m3_rt *rt, const m3_variant *v0, int64_t tokens, const char *tile, const char *default_tile) {
+  m3_err e;
+  m3_variant v = *v0;
+  ck_assert_msg(m3_render_canon(rt->jit.lua, &v, &e) == M3_OK, "%s", e.msg);
+  char key[M3_KEY_MAX];
+  m3_variant_print_axes(&v, key, sizeof key);
+  m3_tune_record r = m3_tune_record_empty();
+  r.key = key;
+  ck_assert_int_eq(m3_bucket_add(&r.bucket, "tokens", tokens, &e), M3_OK);
+  r.arch = rt->dev.arch;
+  r.tile = tile;
+  r.default_tile = default_tile;
+  r.prov.template_hash = "test";
+  ck_assert_msg(m3_tunedb_put(rt->db, &r, &e) == M3_OK, "%s", e.msg);
+}
+
 /* Issue 5's runtime lookup inside the MoE layer: a tuning record for the
  * router kernel at the bucket a 5-token decode rounds to (tokens=8, as its
  * adapter tunes it) with a non-default tile is what m3_moe_forward launches.
@@ -1481,17 +1499,7 @@ START_TEST(moe_uses_tuned_record) {
   m3_route_args ra = {.n_tokens = 5, .n_experts = 16, .topk = 4, .renormalize = 1, .routed_scaling = 2.0f};
   m3_variant v;
   ck_assert_msg(m3_route_key(&ra, "route", &v, &e) == M3_OK, "%s", e.msg);
-  ck_assert_msg(m3_render_canon(rt.jit.lua, &v, &e) == M3_OK, "%s", e.msg);
-  char key[M3_KEY_MAX];
-  m3_variant_print_axes(&v, key, sizeof key);
-  m3_tune_record r = m3_tune_record_empty();
-  r.key = key;
-  ck_assert_int_eq(m3_bucket_add(&r.bucket, "tokens", 8, &e), M3_OK);
-  r.arch = rt.dev.arch;
-  r.tile = "warps=2"; /* the default is warps=4 (templates/moe_route.lua) */
-  r.default_tile = "warps=4";
-  r.prov.template_hash = "test";
-  ck_assert_msg(m3_tunedb_put(rt.db, &r, &e) == M3_OK, "%s", e.msg);
+  put_record(&rt, &v, 8, "warps=2", "warps=4"); /* the default is warps=4 (templates/moe_route.lua) */
   run_moe_rt(&rt, 1, 5, 1, 256); /* still correct against the reference with the tuned tile */
   int seen = 0;
   for (int i = 0; i < rt.n_kernels; i++) {
@@ -1521,22 +1529,12 @@ START_TEST(moe_lead_tiles_in_the_layer) {
   static const struct { int64_t rows, cols; int settled; const char *tile; } G[2] = {
       {512, 512, 0, "warps=2,rpw=1,unroll=4,cvt=alu,pipe=3,tpc=1,lead=1,lean=0"},   /* gate|up: 2I x H */
       {512, 256, 1, "warps=2,rpw=1,unroll=4,cvt=alu,pipe=4,tpc=0,lead=1,lean=0"}};  /* down: H x I */
-  char keys[2][M3_KEY_MAX];
   for (int i = 0; i < 2; i++) {
     m3_gemv_args a = {.n = 4, .rows = G[i].rows, .cols = G[i].cols, .wfmt = M3_GEMV_E4M3, .moe = 1,
                       .xdiv = G[i].settled ? 1 : 4, .n_experts = 16, .ids_settled = G[i].settled};
     m3_variant v;
     ck_assert_msg(m3_gemv_key(&a, 1, &v, &e) == M3_OK, "%s", e.msg);
-    ck_assert_msg(m3_render_canon(rt.jit.lua, &v, &e) == M3_OK, "%s", e.msg);
-    m3_variant_print_axes(&v, keys[i], sizeof keys[i]);
-    m3_tune_record r = m3_tune_record_empty();
-    r.key = keys[i];
-    ck_assert_int_eq(m3_bucket_add(&r.bucket, "tokens", 4, &e), M3_OK);
-    r.arch = rt.dev.arch;
-    r.tile = G[i].tile;
-    r.default_tile = G[i].tile;
-    r.prov.template_hash = "test";
-    ck_assert_msg(m3_tunedb_put(rt.db, &r, &e) == M3_OK, "%s", e.msg);
+    put_record(&rt, &v, 4, G[i].tile, G[i].tile);
   }
   run_moe_rt(&rt, 1, 1, 1, 256); /* one token, decode path: the shared expert rides along in both GEMVs */
   int seen = 0;
