@@ -44,10 +44,10 @@ void m3_model_dims(const m3_config *c, m3_dims *d) {
    * runtime/op_ffn.c): their keys join the variant list, so that a cache
    * warmed by `m3kit gen --all` still serves an M3KIT_NO_JIT=1 run with them.
    * A bad value counts as none here; m3_moe_forward reports it. */
-  int comb = 0, act = 0;
+  unsigned fuse = 0;
   m3_err e;
-  if (m3_moe_fuse_env(&comb, &act, &e) != M3_OK) comb = act = 0;
-  m3_dims_set(d, "moe_fuse", act ? 2 : comb);
+  if (m3_moe_fuse_env(&fuse, &e) != M3_OK) fuse = M3_MOE_FUSE_DEFAULT;
+  m3_dims_set(d, "moe_fuse", (long)fuse);
 }
 
 m3_status m3_model_dims_for(const char *preset, const char *model_dir, m3_dims *d, m3_err *e) {

@@ -2,8 +2,8 @@
  * the bridge between a config (runtime/config.h) and gen/, which knows no
  * config.  Fields: nq nkv niq hd rot bs topk init local hidden vocab experts
  * topk_experts inter dense_inter shared_inter has_dense has_sparse has_moe
- * has_dense_mlp swiglu_{alpha,limit,beta}_e6, and moe_fuse (0, 1 combine,
- * 2 also SwiGLU: the environment's M3KIT_MOE_FUSE, m3_moe_fuse_env). */
+ * has_dense_mlp swiglu_{alpha,limit,beta}_e6, and moe_fuse (the
+ * M3_MOE_FUSE_* bits of the environment's M3KIT_MOE_FUSE, m3_moe_fuse_env). */
 #ifndef M3_MODEL_DIMS_H
 #define M3_MODEL_DIMS_H
 

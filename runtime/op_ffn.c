@@ -614,7 +614,7 @@ m3_status m3_moe_ws_alloc(m3_moe_ws *ws, const m3_moe_args *a, const m3_moe_weig
                           m3_err *e) {
   memset(ws, 0, sizeof *ws);
   M3_TRY(moe_shape_check(a, w, e));
-  M3_TRY(m3_moe_fuse_env(&ws->fuse_combine, &ws->fuse_act, e)); /* once, not at every layer's call */
+  M3_TRY(m3_moe_fuse_env(&ws->fuse, e)); /* once, not at every layer's call */
   if (max_tokens < 1) return m3_errf(e, M3_INVAL, "moe workspace: max_tokens %" PRId64, max_tokens);
   moe_bufs b;
   ws->bytes = carve(&b, NULL, a, w, max_tokens);
@@ -668,16 +668,29 @@ static m3_status kernel_at(m3_rt *rt, const m3_variant *v, int64_t rows, m3_kern
   return m3_rt_kernel(rt, v, &b, k, e);
 }
 
-m3_status m3_moe_fuse_env(int *combine, int *act, m3_err *e) {
+m3_status m3_moe_fuse_env(unsigned *fuse, m3_err *e) {
+  static const struct {
+    const char *name;
+    unsigned bits;
+  } names[] = {{"0", 0}, {"none", 0}, {"combine", M3_MOE_FUSE_COMBINE}, {"act", M3_MOE_FUSE_ACT},
+               {"all", M3_MOE_FUSE_COMBINE | M3_MOE_FUSE_ACT}};
   const char *v = getenv("M3KIT_MOE_FUSE");
-  *combine = *act = 0;
-  if (!v || !*v || !strcmp(v, "0")) return M3_OK;
-  if (!strcmp(v, "combine") || !strcmp(v, "all")) {
-    *combine = 1;
-    *act = !strcmp(v, "all");
-    return M3_OK;
+  *fuse = M3_MOE_FUSE_DEFAULT;
+  if (!v || !*v) return M3_OK;
+  unsigned bits = 0;
+  for (const char *p = v; *p;) {
+    const size_t len = strcspn(p, ",");
+    size_t i = 0;
+    while (i < sizeof names / sizeof names[0] && (strlen(names[i].name) != len || strncmp(p, names[i].name, len))) i++;
+    if (i == sizeof names / sizeof names[0] || (p[len] == ',' && !p[len + 1]))
+      return m3_errf(e, M3_INVAL, "M3KIT_MOE_FUSE=%s: expected a comma-separated list of combine, act (or all, none)",
+                     v);
+    bits |= names[i].bits;
+    p += len;
+    if (*p == ',') p++;
   }
-  return m3_errf(e, M3_INVAL, "M3KIT_MOE_FUSE=%s: expected 0, combine or all", v);
+  *fuse = bits;
+  return M3_OK;
 }
 
 m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_moe_weights *w, m3_moe_ws *ws,
@@ -721,7 +734,8 @@ m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_m
    * TPOT at 8K 0.05 ms higher (device run 47: 10.05-10.09 against
    * 10.01-10.04 ms), on an H100 0.07-0.12 ms lower (runs 45, 46); the SwiGLU
    * epilogue cost 0.1-0.16 ms a step on the H100 (its 1920 CTAs' fences). */
-  const int fused = ns && w->e4m3 && ws->fuse_combine, fuse_act = fused && I % 64 == 0 && ws->fuse_act;
+  const int fused = ns && w->e4m3 && (ws->fuse & M3_MOE_FUSE_COMBINE),
+            fuse_act = ns && w->e4m3 && I % 64 == 0 && (ws->fuse & M3_MOE_FUSE_ACT);
   m3_kernel *sw = NULL, *swsh = NULL;
   M3_TRY(m3_swiglu_key(I, a->alpha, a->limit, a->beta, &v, e));
   if (!fuse_act) M3_TRY(kernel_at(rt, &v, P + ns, &sw, e));

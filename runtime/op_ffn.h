@@ -296,7 +296,7 @@ typedef struct m3_moe_ws {
   int64_t max_tokens;
   void *mem;
   size_t bytes;
-  int fuse_combine, fuse_act; /* M3KIT_MOE_FUSE when allocated (m3_moe_fuse_env) */
+  unsigned fuse; /* M3_MOE_FUSE_* bits: M3KIT_MOE_FUSE when allocated (m3_moe_fuse_env) */
 } m3_moe_ws;
 
 /* Errors: M3_INVAL (also a bad M3KIT_MOE_FUSE), M3_CUDA (allocation). */
@@ -312,11 +312,11 @@ void m3_moe_ws_free(m3_moe_ws *ws);
  * Decode: router GEMV (fp32 weights), route, one MoE GEMV over all chosen
  * experts' gate|up, SwiGLU, one MoE GEMV for down, shared expert GEMVs,
  * combine in pair order; with MXFP8 experts and a shared expert as wide as
- * the routed ones (M3), M3KIT_MOE_FUSE=combine (the environment's when ws was
- * allocated) has the down GEMV also write the combine, =all also the gate|up
- * GEMV SwiGLU(gu) (m3_launch_gemv_moe_fused: the same values, a launch fewer
- * each; off by default: not faster on the H200, runtime/op_ffn.c says what was
- * measured).  Prefill: router GEMM (cuBLAS fp32 with m32, else
+ * the routed ones (M3), ws->fuse (M3KIT_MOE_FUSE when ws was allocated):
+ * M3_MOE_FUSE_COMBINE has the down GEMV also write the combine,
+ * M3_MOE_FUSE_ACT the gate|up GEMV SwiGLU(gu) (m3_launch_gemv_moe_fused: the
+ * same values, a launch fewer each; off by default: not faster on the H200,
+ * runtime/op_ffn.c says what was measured).  Prefill: router GEMM (cuBLAS fp32 with m32, else
  * the GEMV in chunks of 8 tokens), route, stable group, gather, one cuBLAS
  * GEMM per expert on its contiguous rows (MXFP8 experts are dequantised into
  * scratch first), SwiGLU, combine through the inverse permutation; one sync
@@ -328,10 +328,20 @@ void m3_moe_ws_free(m3_moe_ws *ws);
  * `m3kit tune` records them at.
  * Errors: M3_INVAL (shapes, n > ws->max_tokens), M3_CUDA, M3_CUBLAS,
  * M3_RANGE (a bad expert id, which cannot happen with valid weights). */
-/* The environment's M3KIT_MOE_FUSE: unset, empty or "0" -> *combine = *act
- * = 0; "combine" -> *combine = 1; "all" -> both 1 (m3_moe_forward's opt-in
- * epilogues).  Errors: M3_INVAL naming the variable for any other value. */
-m3_status m3_moe_fuse_env(int *combine, int *act, m3_err *e);
+/* The decode MoE layer's optional fusions (m3_moe_forward), each the same
+ * values in a launch fewer: */
+enum {
+  M3_MOE_FUSE_COMBINE = 1, /* the down GEMV's epilogue writes the combine (templates/mxfp8.lua combine=1) */
+  M3_MOE_FUSE_ACT = 2,     /* the gate|up GEMV's epilogue writes SwiGLU(gu) (act=swiglu) */
+};
+/* The bits that apply when M3KIT_MOE_FUSE is unset: none. */
+#define M3_MOE_FUSE_DEFAULT 0u
+
+/* The environment's M3KIT_MOE_FUSE as M3_MOE_FUSE_* bits: a comma-separated
+ * list of "combine", "act"; "all" = combine,act; "0" or "none" = no bits;
+ * unset or empty = M3_MOE_FUSE_DEFAULT.  Errors: M3_INVAL naming the variable
+ * for an unknown name. */
+m3_status m3_moe_fuse_env(unsigned *fuse, m3_err *e);
 
 m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_moe_weights *w, m3_moe_ws *ws,
                          const void *m, const float *m32, void *out, int32_t *ids, float *wts, int path,

@@ -253,10 +253,12 @@ function T.variants(c)
     add("gemv", "e4m3", "bf16", H, 1)                       -- routed experts gate|up
     add("gemv", "e4m3", "bf16", c.inter, 1, nil, 1)         -- routed experts down (its ids settled: route is 2 back)
     -- The opt-in epilogue launches (runtime/op_ffn.c, M3KIT_MOE_FUSE: the
-    -- dims' moe_fuse): the down GEMV's combine; gate|up's SwiGLU too with 2.
-    if (c.moe_fuse or 0) >= 1 and c.shared_inter == c.inter then
-      add("gemv", "e4m3", "bf16", c.inter, 1, "combine", 1)
-      if c.moe_fuse == 2 and c.inter % 64 == 0 then add("gemv", "e4m3", "bf16", H, 1, "act") end
+    -- dims' moe_fuse bits, runtime/op_ffn.h M3_MOE_FUSE_*): the down GEMV's
+    -- combine (1); gate|up's SwiGLU (2).
+    local fuse = c.moe_fuse or 0
+    if c.shared_inter == c.inter then
+      if fuse & 1 ~= 0 then add("gemv", "e4m3", "bf16", c.inter, 1, "combine", 1) end
+      if fuse & 2 ~= 0 and c.inter % 64 == 0 then add("gemv", "e4m3", "bf16", H, 1, "act") end
     end
     add("gemv", "f32", "f32", H, 0)                         -- fp32 router
   end

@@ -1558,13 +1558,19 @@ END_TEST
 START_TEST(moe_fused_paths) {
   static const char *const modes[2] = {"combine", "all"};
   m3_err e;
-  int comb, sw;
-  ck_assert_int_eq(setenv("M3KIT_MOE_FUSE", "1", 1), 0); /* not a mode: an error naming the variable, not "off" */
-  ck_assert_int_eq(m3_moe_fuse_env(&comb, &sw, &e), M3_INVAL);
-  ck_assert_msg(strstr(e.msg, "M3KIT_MOE_FUSE=1"), "%s", e.msg);
+  unsigned fuse;
+  static const char *const bad[3] = {"1", "combine,", "combine,bogus"}; /* not modes: errors naming the variable */
+  for (int b = 0; b < 3; b++) {
+    ck_assert_int_eq(setenv("M3KIT_MOE_FUSE", bad[b], 1), 0);
+    ck_assert_int_eq(m3_moe_fuse_env(&fuse, &e), M3_INVAL);
+    ck_assert_msg(strstr(e.msg, "M3KIT_MOE_FUSE=") && strstr(e.msg, bad[b]), "%s", e.msg);
+  }
+  ck_assert_int_eq(setenv("M3KIT_MOE_FUSE", "act,combine", 1), 0); /* a list, any order */
+  ck_assert_int_eq(m3_moe_fuse_env(&fuse, &e), M3_OK);
+  ck_assert_uint_eq(fuse, M3_MOE_FUSE_COMBINE | M3_MOE_FUSE_ACT);
   ck_assert_int_eq(setenv("M3KIT_MOE_FUSE", modes[_i], 1), 0);
-  ck_assert_int_eq(m3_moe_fuse_env(&comb, &sw, &e), M3_OK);
-  ck_assert(comb && sw == (_i == 1));
+  ck_assert_int_eq(m3_moe_fuse_env(&fuse, &e), M3_OK);
+  ck_assert((fuse & M3_MOE_FUSE_COMBINE) && !!(fuse & M3_MOE_FUSE_ACT) == (_i == 1));
   run_moe(1, 1, 1, 256);
   run_moe(1, 5, 1, 256);
   run_moe(1, 3, 1, 128); /* a narrower shared expert: not fused, the plain launches */
