@@ -83,6 +83,7 @@ struct m3_forward {
   int capturing;
   int last_graph;               /* the decode graph the last step replayed (-1: none) */
   const char *only_op;          /* m3_forward_graph_breakdown: capture this op's launches only */
+  const char *skip_op;          /* ... or all but this op's */
   const char *seen_ops[MAX_OPS];/* op names in the order the step runs them (filled at capture) */
   int n_seen;
   timing_op ops[MAX_OPS];
@@ -275,8 +276,20 @@ static m3_status dense_mlp(m3_forward *f, const step *st, int l, m3_err *e) {
 }
 
 /* MoE with the shared expert (§7.2): router, top-k, experts, combine. */
+/* The MoE op's launches as sub-ops of their own ("moe/route", ...), so that
+ * a graph breakdown can time each alone and the step without it. */
+static unsigned moe_stages(m3_forward *f) {
+  static const char *const sub[] = {"moe/router", "moe/route", "moe/gate_up", "moe/swiglu", "moe/down", "moe/combine"};
+  unsigned bits = 0;
+  for (unsigned i = 0; i < sizeof sub / sizeof sub[0]; i++)
+    if (op_wanted(f, sub[i])) bits |= 1u << i;
+  return bits;
+}
+
 static m3_status moe(m3_forward *f, const step *st, int l, m3_err *e) {
   const m3_config *c = &f->m->cfg;
+  (void)op_wanted(f, "moe"); /* noted before its sub-ops, for the breakdown's order */
+  f->moe_ws.stages = moe_stages(f);
   m3_moe_args ma = {.n_tokens = st->n, .hidden = c->hidden_size, .n_experts = c->num_local_experts,
                     .topk = c->num_experts_per_tok, .renormalize = 1, .routed_scaling = (float)c->routed_scaling_factor,
                     .alpha = (float)c->swiglu_alpha, .limit = (float)c->swiglu_limit, .beta = (float)c->swiglu_beta};
@@ -904,13 +917,20 @@ static m3_status ev_next(m3_forward *f, const char *name, m3_err *e) {
 
 /* While capturing, notes each op name once (the breakdown's list); false for
  * the ops a breakdown capture leaves out. */
+/* a is b or b's parent ("moe" of "moe/route") */
+static int op_within(const char *a, const char *b) {
+  const size_t n = strlen(a);
+  return !strncmp(a, b, n) && (!b[n] || b[n] == '/');
+}
+
 static int op_wanted(m3_forward *f, const char *name) {
-  if (f->capturing && !f->only_op) {
+  if (f->capturing && !f->only_op && !f->skip_op) {
     int i = 0;
     while (i < f->n_seen && strcmp(f->seen_ops[i], name)) i++;
     if (i == f->n_seen && f->n_seen < MAX_OPS) f->seen_ops[f->n_seen++] = name;
   }
-  return !f->only_op || !strcmp(f->only_op, name);
+  if (f->skip_op) return !op_within(f->skip_op, name); /* a sub-op left out: its parent still runs */
+  return !f->only_op || op_within(f->only_op, name) || op_within(name, f->only_op);
 }
 
 static m3_status op_begin(m3_forward *f, const char *name, m3_err *e) {
@@ -1002,6 +1022,31 @@ static m3_status replay_ms(m3_forward *f, cudaGraphExec_t exec, int reps, double
   return M3_OK;
 }
 
+/* The last decode graph's step captured with one op alone (only) or without
+ * it (skip), replayed: median ms. */
+static m3_status capture_ms(m3_forward *f, const graph *gr, const char *only, const char *skip, int reps, double *ms,
+                            m3_err *e) {
+  cudaGraph_t g = NULL;
+  cudaGraphExec_t x = NULL;
+  M3_CUDA(e, cudaStreamSynchronize(f->s));
+  M3_CUDA(e, cudaStreamBeginCapture(f->s, cudaStreamCaptureModeRelaxed));
+  f->capturing = 1;
+  f->only_op = only;
+  f->skip_op = skip;
+  m3_status s = forward_body(f, &gr->st, 0, e);
+  f->only_op = f->skip_op = NULL;
+  f->capturing = 0;
+  f->moe_ws.stages = M3_MOE_STAGE_ALL;
+  cudaError_t ce = cudaStreamEndCapture(f->s, &g);
+  if (s == M3_OK && ce != cudaSuccess) s = m3_cuda_fail(e, ce, "graph breakdown capture", __FILE__, __LINE__);
+  if (s == M3_OK && (ce = cudaGraphInstantiate(&x, g, 0)) != cudaSuccess)
+    s = m3_cuda_fail(e, ce, "graph breakdown instantiate", __FILE__, __LINE__);
+  if (s == M3_OK) s = replay_ms(f, x, reps, ms, e);
+  if (x) cudaGraphExecDestroy(x);
+  if (g) cudaGraphDestroy(g);
+  return s;
+}
+
 m3_status m3_forward_graph_breakdown(m3_forward *f, int reps, FILE *out, m3_err *e) {
   if (f->tp)
     return m3_errf(e, M3_INVAL, "graph breakdown: not under tensor parallelism (one rank's op replayed alone would "
@@ -1013,30 +1058,24 @@ m3_status m3_forward_graph_breakdown(m3_forward *f, int reps, FILE *out, m3_err 
   graph *gr = &f->graphs[f->last_graph];
   double full = 0, sum = 0;
   M3_TRY(replay_ms(f, gr->exec, reps, &full, e));
-  fprintf(out, "decode graph breakdown (batch %d, context bucket %" PRId64 "; each op's launches of one step "
-               "captured and replayed as a graph of their own, median of %d):\n", gr->n, gr->bucket, reps);
-  fprintf(out, "  %-14s %12s %7s\n", "op", "ms/step", "share");
+  /* "alone": the op's launches of one step as a graph of their own; "in the
+   * step": the whole step less the step without them, what the op adds to the
+   * step where it stands (what fusing it away could save at most).  The step
+   * without an op reads what that op would have written: times, not values. */
+  fprintf(out, "decode graph breakdown (batch %d, context bucket %" PRId64 "; median of %d replays; alone: the op's "
+               "launches of one step as a graph of their own; in the step: the whole step less the step without "
+               "them; moe/*: the MoE op's launches):\n", gr->n, gr->bucket, reps);
+  fprintf(out, "  %-14s %12s %7s %12s\n", "op", "alone ms", "share", "in the step");
   for (int i = 0; i < f->n_seen; i++) {
-    cudaGraph_t g = NULL;
-    cudaGraphExec_t x = NULL;
-    M3_CUDA(e, cudaStreamSynchronize(f->s));
-    M3_CUDA(e, cudaStreamBeginCapture(f->s, cudaStreamCaptureModeRelaxed));
-    f->capturing = 1;
-    f->only_op = f->seen_ops[i];
-    m3_status s = forward_body(f, &gr->st, 0, e);
-    f->only_op = NULL;
-    f->capturing = 0;
-    cudaError_t ce = cudaStreamEndCapture(f->s, &g);
-    if (s == M3_OK && ce != cudaSuccess) s = m3_cuda_fail(e, ce, "graph breakdown capture", __FILE__, __LINE__);
-    if (s == M3_OK && (ce = cudaGraphInstantiate(&x, g, 0)) != cudaSuccess)
-      s = m3_cuda_fail(e, ce, "graph breakdown instantiate", __FILE__, __LINE__);
-    double ms = 0;
-    if (s == M3_OK) s = replay_ms(f, x, reps, &ms, e);
-    if (x) cudaGraphExecDestroy(x);
-    if (g) cudaGraphDestroy(g);
-    if (s != M3_OK) return m3_err_prefix(e, "graph breakdown of op %s: ", f->seen_ops[i]);
-    sum += ms;
-    fprintf(out, "  %-14s %12.3f %6.1f%%\n", f->seen_ops[i], ms, full > 0 ? 100.0 * ms / full : 0.0);
+    const char *op = f->seen_ops[i];
+    double ms = 0, without = 0;
+    m3_status s = capture_ms(f, gr, op, NULL, reps, &ms, e);
+    if (s == M3_OK) s = capture_ms(f, gr, NULL, op, reps, &without, e);
+    if (s != M3_OK) return m3_err_prefix(e, "graph breakdown of op %s: ", op);
+    const int sub = strchr(op, '/') != NULL;
+    if (!sub) sum += ms;
+    fprintf(out, "  %s%-*s %12.3f %6.1f%% %12.3f\n", sub ? "  " : "", sub ? 12 : 14, op, ms,
+            full > 0 ? 100.0 * ms / full : 0.0, full - without);
   }
   fprintf(out, "  %-14s %12.3f %6.1f%%\n", "sum of ops", sum, full > 0 ? 100.0 * sum / full : 0.0);
   fprintf(out, "  %-14s %12.3f\n", "whole step", full);

@@ -148,7 +148,11 @@ void m3_forward_reset_timing(m3_forward *f);
  * (qkv_proj, indexer, moe, ...) is captured alone — its launches of every
  * layer, nothing else — and replayed the same way; one row per op with ms per
  * step and share of the whole step, and the sum of the rows (issue 6 wants it
- * within 10% of the step).  The replays rerun the last step's kernels on
+ * within 10% of the step); each row also has the op's cost in the step: the
+ * whole step less the step captured without that op (what removing or fusing
+ * it away could save at most).  The MoE op's launches have rows of their own
+ * ("moe/router", "moe/route", "moe/gate_up", "moe/swiglu", "moe/down",
+ * "moe/combine"; not in the sum).  The replays rerun the last step's kernels on
  * whatever the buffers hold, so its cache slots and outputs are overwritten:
  * call it after the last decode step whose results matter.
  * Errors: M3_INVAL (no decode step has run as a graph; tensor parallelism:

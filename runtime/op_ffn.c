@@ -624,6 +624,7 @@ m3_status m3_moe_ws_alloc(m3_moe_ws *ws, const m3_moe_args *a, const m3_moe_weig
    * non-blocking stream the layer runs on: finish it here. */
   M3_CUDA(e, cudaDeviceSynchronize());
   ws->max_tokens = max_tokens;
+  ws->stages = M3_MOE_STAGE_ALL;
   return M3_OK;
 }
 
@@ -715,13 +716,19 @@ m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_m
   /* Router logits, fp32 weights and accumulation: cuBLAS on float(m) when the
    * caller has it (the post-attention norm's f32copy), else the fp32-weight
    * GEMV, which stages float(m) itself. */
+  /* The stages a breakdown capture leaves out (m3_moe_ws.stages): decode only. */
+  const unsigned stg = decode ? ws->stages : M3_MOE_STAGE_ALL;
+#define STAGE(bit, call) \
+  do {                   \
+    if (stg & (bit)) M3_TRY(call); \
+  } while (0)
   if (m32 && !decode) M3_TRY(m3_gemm_f32(g, n, E, H, m32, 0, w->wg, 0, b.logits, 0, e));
-  else M3_TRY(gemv_run(rt, s, n, E, H, M3_GEMV_F32, 1, m, w->wg, NULL, b.logits, e));
+  else STAGE(M3_MOE_STAGE_ROUTER, gemv_run(rt, s, n, E, H, M3_GEMV_F32, 1, m, w->wg, NULL, b.logits, e));
   m3_route_args ra = {.n_tokens = (int)n, .n_experts = (int)E, .topk = (int)K, .renormalize = a->renormalize,
                       .routed_scaling = a->routed_scaling, .logits_bf16 = 0};
   M3_TRY(m3_route_key(&ra, "route", &v, e));
   M3_TRY(kernel_at(rt, &v, n, &k, e));
-  M3_TRY(m3_launch_route(k, &ra, b.logits, w->bias, ids, wts, s, e));
+  STAGE(M3_MOE_STAGE_ROUTE, m3_launch_route(k, &ra, b.logits, w->bias, ids, wts, s, e));
 
   /* Decode: a shared expert as wide as the routed ones rides along as n
    * more pairs of the routed GEMVs and SwiGLU (below); otherwise it has a
@@ -755,23 +762,24 @@ m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_m
                        .act = fuse_act, .alpha = a->alpha, .limit = a->limit, .beta = a->beta};
     M3_TRY(m3_gemv_kernel(rt, &ga, &k, e));
     const m3_gemv_epilogue ea = {.act = b.act, .tile_count = b.act_tiles};
-    M3_TRY(m3_launch_gemv_moe_fused(k, &ga, m, w->gu_tab, w->gu_scale_tab, ids, w->shared_gu, w->shared_gu_scale, ns,
-                                    b.gu, fuse_act ? &ea : NULL, s, e));
-    if (!fuse_act) M3_TRY(m3_launch_swiglu(sw, P + ns, I, b.gu, b.act, s, e));
+    STAGE(M3_MOE_STAGE_GATE_UP, m3_launch_gemv_moe_fused(k, &ga, m, w->gu_tab, w->gu_scale_tab, ids, w->shared_gu,
+                                                         w->shared_gu_scale, ns, b.gu, fuse_act ? &ea : NULL, s, e));
+    if (!fuse_act) STAGE(M3_MOE_STAGE_SWIGLU, m3_launch_swiglu(sw, P + ns, I, b.gu, b.act, s, e));
     /* ids were written by the route launch, two or more launches back: settled (lead=1 tiles) */
     m3_gemv_args gd = {.n = P, .rows = H, .cols = I, .wfmt = wf, .moe = 1, .xdiv = 1, .n_experts = (int)E,
                        .combine = fused, .ids_settled = 1};
     M3_TRY(m3_gemv_kernel(rt, &gd, &k, e));
     const m3_gemv_epilogue ec = {.w = wts, .out = out, .tile_count = b.tiles};
-    M3_TRY(m3_launch_gemv_moe_fused(k, &gd, b.act, w->down_tab, w->down_scale_tab, ids, w->shared_down,
-                                    w->shared_down_scale, ns, b.y, fused ? &ec : NULL, s, e));
+    STAGE(M3_MOE_STAGE_DOWN, m3_launch_gemv_moe_fused(k, &gd, b.act, w->down_tab, w->down_scale_tab, ids,
+                                                      w->shared_down, w->shared_down_scale, ns, b.y,
+                                                      fused ? &ec : NULL, s, e));
     if (fused) return M3_OK;
     if (ns) {
       shared_y = b.y + P * H;
     } else if (Is) {
-      M3_TRY(gemv_run(rt, s, n, 2 * Is, H, wf, 0, m, w->shared_gu, w->shared_gu_scale, b.sgu, e));
-      M3_TRY(m3_launch_swiglu(swsh, n, Is, b.sgu, b.sact, s, e));
-      M3_TRY(gemv_run(rt, s, n, H, Is, wf, 0, b.sact, w->shared_down, w->shared_down_scale, b.sy, e));
+      STAGE(M3_MOE_STAGE_DOWN, gemv_run(rt, s, n, 2 * Is, H, wf, 0, m, w->shared_gu, w->shared_gu_scale, b.sgu, e));
+      STAGE(M3_MOE_STAGE_DOWN, m3_launch_swiglu(swsh, n, Is, b.sgu, b.sact, s, e));
+      STAGE(M3_MOE_STAGE_DOWN, gemv_run(rt, s, n, H, Is, wf, 0, b.sact, w->shared_down, w->shared_down_scale, b.sy, e));
     }
   } else {
     /* Group the pairs by expert (stable), gather their rows, run one cuBLAS
@@ -819,5 +827,7 @@ m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_m
   }
   M3_TRY(m3_combine_key((int)H, (int)K, Is > 0, rowof != NULL, &v, e));
   M3_TRY(kernel_at(rt, &v, n, &k, e));
-  return m3_launch_moe_combine(k, n, (int)H, (int)K, b.y, rowof, wts, shared_y, out, s, e);
+  STAGE(M3_MOE_STAGE_COMBINE, m3_launch_moe_combine(k, n, (int)H, (int)K, b.y, rowof, wts, shared_y, out, s, e));
+  return M3_OK;
+#undef STAGE
 }

@@ -297,7 +297,24 @@ typedef struct m3_moe_ws {
   void *mem;
   size_t bytes;
   unsigned fuse; /* M3_MOE_FUSE_* bits: M3KIT_MOE_FUSE when allocated (m3_moe_fuse_env) */
+  /* The decode path's launches to make (M3_MOE_STAGE_* bits; all after
+   * m3_moe_ws_alloc).  A benchmarking hook (m3_forward_graph_breakdown
+   * captures a stage alone, or the step without it): a left-out stage writes
+   * nothing, so the layer's output is then wrong. */
+  unsigned stages;
 } m3_moe_ws;
+
+/* The decode path's launches, in step order (m3_moe_ws.stages). */
+enum {
+  M3_MOE_STAGE_ROUTER = 1,   /* router GEMV: logits */
+  M3_MOE_STAGE_ROUTE = 2,    /* top-k: ids, weights */
+  M3_MOE_STAGE_GATE_UP = 4,  /* the experts' gate|up GEMV */
+  M3_MOE_STAGE_SWIGLU = 8,   /* SwiGLU launch (none with M3_MOE_FUSE_ACT) */
+  M3_MOE_STAGE_DOWN = 16,    /* the experts' down GEMV (and a narrower shared expert's launches) */
+  M3_MOE_STAGE_COMBINE = 32, /* combine launch (none with M3_MOE_FUSE_COMBINE) */
+  M3_MOE_STAGE_ALL = 63
+};
+#define M3_MOE_STAGE_NAMES {"router", "route", "gate_up", "swiglu", "down", "combine"}
 
 /* Errors: M3_INVAL (also a bad M3KIT_MOE_FUSE), M3_CUDA (allocation). */
 m3_status m3_moe_ws_alloc(m3_moe_ws *ws, const m3_moe_args *a, const m3_moe_weights *w, int64_t max_tokens,
