@@ -191,19 +191,21 @@ static m3_status dense_rep(void *arg, int rep, m3_err *e) {
 
 static m3_status bench_dense(m3_rt *rt, FILE *out, int wfmt, int64_t rows, int64_t cols, int64_t n, m3_err *e) {
   char nm[64];
-  snprintf(nm, sizeof nm, "%s gemv %lldx%lld, n=%lld", wfmt == M3_GEMV_E4M3 ? "W8A16" : "W16A16", (long long)rows,
-           (long long)cols, (long long)n);
+  const int f32 = wfmt == M3_GEMV_F32; /* the router: fp32 weights and logits */
+  snprintf(nm, sizeof nm, "%s gemv %lldx%lld, n=%lld", wfmt == M3_GEMV_E4M3 ? "W8A16" : f32 ? "fp32 router" : "W16A16",
+           (long long)rows, (long long)cols, (long long)n);
   if (!m3_bench_case_wanted(nm)) return M3_OK;
-  const size_t es = wfmt == M3_GEMV_E4M3 ? 1 : 2, wb = (size_t)rows * cols * es;
+  const size_t es = wfmt == M3_GEMV_E4M3 ? 1 : f32 ? 4 : 2, wb = (size_t)rows * cols * es;
   int copies = 1;
   while ((double)copies * wb < 4.0 * rt->dev.l2_bytes && copies < 64) copies++;
-  dense_case c = {.a = {.n = n, .rows = rows, .cols = cols, .wfmt = wfmt}, .copies = copies, .st = rt->stream};
+  dense_case c = {.a = {.n = n, .rows = rows, .cols = cols, .wfmt = wfmt, .out_f32 = f32}, .copies = copies,
+                  .st = rt->stream};
   c.w = calloc((size_t)copies, sizeof *c.w);
   c.s = wfmt == M3_GEMV_E4M3 ? calloc((size_t)copies, sizeof *c.s) : NULL;
   void *x = NULL, *y = NULL;
   m3_status st = c.w && (wfmt != M3_GEMV_E4M3 || c.s) ? M3_OK : m3_errf(e, M3_NOMEM, "bench dense");
   for (int i = 0; i < copies && st == M3_OK; i++) {
-    if (cudaMalloc(&c.w[i], wb) != cudaSuccess || cudaMemset(c.w[i], es == 1 ? 0x30 : 0x3c, wb) != cudaSuccess)
+    if (cudaMalloc(&c.w[i], wb) != cudaSuccess || cudaMemset(c.w[i], es == 1 ? 0x30 : es == 2 ? 0x3c : 0x3b, wb) != cudaSuccess)
       st = m3_errf(e, M3_CUDA, "bench dense weights");
     if (st == M3_OK && c.s &&
         (cudaMalloc(&c.s[i], wb / 32) != cudaSuccess || cudaMemset(c.s[i], 119, wb / 32) != cudaSuccess))
@@ -211,7 +213,7 @@ static m3_status bench_dense(m3_rt *rt, FILE *out, int wfmt, int64_t rows, int64
   }
   if (st == M3_OK && (cudaMalloc(&x, sizeof(uint16_t) * (size_t)n * cols) != cudaSuccess ||
                       cudaMemset(x, 0x3c, sizeof(uint16_t) * (size_t)n * cols) != cudaSuccess ||
-                      cudaMalloc(&y, sizeof(uint16_t) * (size_t)n * rows) != cudaSuccess))
+                      cudaMalloc(&y, (f32 ? 4 : 2) * (size_t)n * rows) != cudaSuccess))
     st = m3_errf(e, M3_CUDA, "bench dense activations");
   c.x = x;
   c.y = y;
@@ -284,6 +286,7 @@ m3_status m3_bench_ffn(m3_rt *rt, FILE *out, m3_err *e) {
   for (int s = 0; s < 2; s++)
     for (int64_t n = 1; n <= 8; n += 7) M3_TRY(bench_dense(rt, out, M3_GEMV_E4M3, shapes[s][0], shapes[s][1], n, e));
   M3_TRY(bench_dense(rt, out, M3_GEMV_BF16, 200064, 6144, 1, e));
+  M3_TRY(bench_dense(rt, out, M3_GEMV_F32, 128, 6144, 1, e)); /* a MoE layer's router (57 a step) */
   M3_TRY(bench_dense(rt, out, M3_GEMV_E4M3, 3072, 6144, 1, e));
   M3_TRY(bench_dense(rt, out, M3_GEMV_E4M3, 6144, 3072, 1, e));
   M3_TRY(bench_norm(rt, out, 1, e));

@@ -34,7 +34,7 @@ me=gemv_ablate.sh
 . "$(dirname "$0")/ablate_common.sh"
 [ -f "$tdir/mxfp8.lua" ] || { echo "gemv_ablate.sh: no $tdir/mxfp8.lua" >&2; exit 2; }
 mkdir -p "$out"
-cases=${CASES:-"down:W8A16 moe down:warps=4,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=4,lead=0,lean=0;gateup:W8A16 moe gate|up:warps=4,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=1,lead=0,lean=0"}
+cases=${CASES:-"down:W8A16 moe down:warps=4,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=4,lead=0,lean=0,ksplit=1;gateup:W8A16 moe gate|up:warps=4,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=1,lead=0,lean=0,ksplit=1"}
 variants=${VARIANTS:-"full lean noscale nocvt nocompute contig contiglean"}
 
 

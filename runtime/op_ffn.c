@@ -353,15 +353,17 @@ static m3_status gemv_check(const m3_kernel *k, const m3_gemv_args *a, int moe, 
 }
 
 /* grid.x of a GEMV over `pairs` row sets (MoE pairs, else 1); *gy gets
- * grid.y.  Rows per CTA: warps x rpw rows, or tpc x rpw 16-row mma tiles for
- * the W8A16 GEMV, whose warps split the columns.  W8A16 tile tpc=0
+ * grid.y.  Rows per CTA: warps / ksplit x rpw rows (bf16, fp32: ksplit warps
+ * share a row's columns), or tpc x rpw 16-row mma tiles for the W8A16 GEMV,
+ * whose warps split the columns.  W8A16 tile tpc=0
  * (balanced, templates/mxfp8.lua): a 1-D grid of one wave, the CTAs the SMs
  * hold at once (k->sm_count x k->resident, found when it was loaded), at
  * least one per pair (so a CTA spans at most two) and at most one per
  * 16 x rpw-row tile. */
 static uint64_t gemv_grid(const m3_kernel *k, const m3_gemv_args *a, int64_t pairs, unsigned *gy) {
   const int64_t rows = a->rows;
-  long per = m3_variant_tile_int(&k->key, "warps", 8) * m3_variant_tile_int(&k->key, "rpw", 2);
+  long per = m3_variant_tile_int(&k->key, "warps", 8) / m3_variant_tile_int(&k->key, "ksplit", 1) *
+             m3_variant_tile_int(&k->key, "rpw", 2);
   *gy = (unsigned)pairs;
   if (a->wfmt == M3_GEMV_E4M3) {
     const long tile = 16 * m3_variant_tile_int(&k->key, "rpw", 1), tpc = m3_variant_tile_int(&k->key, "tpc", 1);

@@ -99,6 +99,9 @@ T.tiles = {
                                     -- (non-MoE, or MoE with settled=1), or the shared expert's CTAs' (MoE, settled=0, tpc=1:
                                     -- the routed ones need the router's ids; the shared pairs' CTAs come first)
   {"lean", {0, 1}},                 -- W8A16 GEMV with the ring: 1 = fewer instructions a block (RING_COMPUTE_LEAN)
+  {"ksplit", {1, 2, 4, 8, 16}},     -- bf16 / fp32 GEMV: warps a row's columns are split over (partial sums reduced
+                                    -- in shared memory): a short matrix (the router's 128 rows) then has many
+                                    -- warps' loads in flight, not 128 warps' (moe/router: 7 us a layer, device run 56)
 }
 
 -- Opt-in dynamic shared memory per block, by SM generation.
@@ -127,6 +130,12 @@ local function gemv_smem(k, t)
   return k.nmax * k.cols * 4
 end
 
+-- bf16 / fp32 GEMV: a row's steps of 32 16-byte chunks (gemv_body STEPS)
+local function gemv_steps(k)
+  local epc = k.w == "f32" and 4 or (k.w == "bf16" and 8 or 16)
+  return (k.cols // epc + 31) // 32
+end
+
 function T.valid(k, t, arch)
   if m3.sm(arch) < 80 then return false, "needs sm_80+" end
   if k.cols < 1 then return false, "cols must be positive" end
@@ -151,16 +160,29 @@ function T.valid(k, t, arch)
       return false, "dequant is e4m3 -> bf16 only: use w=e4m3, out=bf16, nmax=1, moe=0"
     end
     if k.cols % 32 ~= 0 then return false, "MXFP8 rows are blocks of 32: cols % 32 must be 0" end
-    if t.rpw ~= 1 or t.unroll ~= 1 or t.cvt ~= "alu" or t.pipe ~= 1 or t.tpc ~= 1 or t.lead ~= 0 or t.lean ~= 0 then
-      return false, "dequant uses only the warps tile: rpw=1, unroll=1, cvt=alu, pipe=1, tpc=1, lead=0, lean=0"
+    if t.rpw ~= 1 or t.unroll ~= 1 or t.cvt ~= "alu" or t.pipe ~= 1 or t.tpc ~= 1 or t.lead ~= 0 or t.lean ~= 0
+       or t.ksplit ~= 1 then
+      return false, "dequant uses only the warps tile: rpw=1, unroll=1, cvt=alu, pipe=1, tpc=1, lead=0, lean=0, ksplit=1"
     end
     return true
   end
-  if t.lead == 1 then
+  if t.ksplit ~= 1 then
+    if k.w == "e4m3" then return false, "ksplit is the bf16 / fp32 GEMV's (the W8A16 GEMV's warps split the columns)" end
+    if t.warps % t.ksplit ~= 0 then return false, "ksplit must divide warps" end
+    if t.ksplit > gemv_steps(k) then
+      return false, string.format("ksplit %d > the row's %d steps of 32 16-byte chunks", t.ksplit, gemv_steps(k))
+    end
+  end
+  if t.lead == 1 and k.w ~= "e4m3" then
+    -- bf16 / fp32: the lead-in sends the warp's weight rows toward L2 (one
+    -- bulk prefetch a row) before the wait; x is read after it.
+    if k.moe ~= 0 then return false, "lead=1 on the bf16 / fp32 GEMV: non-MoE only (a MoE pair's weights need its id)" end
+    if m3.sm(arch) < 90 then return false, "lead=1 overlaps the previous kernel through programmatic dependent launch (sm_90+)" end
+  elseif t.lead == 1 then
     -- The weights are the only input no kernel of the stream writes; a MoE
     -- launch needs the router's expert ids first, unless they were written
     -- two launches back (settled=1), or for the shared expert's pairs.
-    if k.w ~= "e4m3" or t.pipe < 3 then return false, "lead=1 is the W8A16 ring's (w=e4m3, pipe >= 3)" end
+    if t.pipe < 3 then return false, "lead=1 is the W8A16 ring's (w=e4m3, pipe >= 3)" end
     if k.moe ~= 0 and k.settled ~= 1 and t.tpc ~= 1 then
       return false, "lead=1 on a MoE launch whose ids come from the previous kernel (settled=0) starts only the " ..
                     "shared expert's CTAs early, in the one-tile loop: tpc=1"
@@ -212,17 +234,28 @@ function T.valid(k, t, arch)
 end
 
 function T.default_tile(k, arch)
-  if k.op == "dequant" then return {warps = 8, rpw = 1, unroll = 1, cvt = "alu", pipe = 1, tpc = 1, lead = 0, lean = 0} end
-  if k.w == "f32" then return {warps = 4, rpw = 1, unroll = 4, cvt = "alu", pipe = 1, tpc = 1, lead = 0, lean = 0} end
+  if k.op == "dequant" then
+    return {warps = 8, rpw = 1, unroll = 1, cvt = "alu", pipe = 1, tpc = 1, lead = 0, lean = 0, ksplit = 1}
+  end
+  if k.w == "f32" then
+    -- The router (128 rows): a row a CTA, its columns over 8 warps, every
+    -- weight line in flight at once; on sm_90 the rows stream toward L2
+    -- before the wait (lead=1).
+    local t = {warps = 8, rpw = 1, unroll = 8, cvt = "alu", pipe = 1, tpc = 1, lead = m3.sm(arch) >= 90 and 1 or 0,
+               lean = 0, ksplit = 8}
+    while t.ksplit > 1 and not T.valid(k, t, arch) do t.ksplit = t.ksplit // 2 end
+    return t
+  end
   if k.w == "e4m3" then
     -- The ring where the row fits it: device run 18's winner for the MoE gate|up
     -- and down and the 3072-column GEMV, 1.12-1.17x the pipe=1 tile.
     if (k.cols // 32) % 4 == 0 and k.cols // 32 >= 16 then
-      return {warps = 4, rpw = 1, unroll = 4, cvt = m3.sm(arch) >= 89 and "hw" or "alu", pipe = 3, tpc = 1, lead = 0, lean = 0}
+      return {warps = 4, rpw = 1, unroll = 4, cvt = m3.sm(arch) >= 89 and "hw" or "alu", pipe = 3, tpc = 1, lead = 0, lean = 0,
+              ksplit = 1}
     end
-    return {warps = 8, rpw = 1, unroll = 4, cvt = "alu", pipe = 1, tpc = 1, lead = 0, lean = 0}
+    return {warps = 8, rpw = 1, unroll = 4, cvt = "alu", pipe = 1, tpc = 1, lead = 0, lean = 0, ksplit = 1}
   end
-  return {warps = 8, rpw = 2, unroll = 2, cvt = "alu", pipe = 1, tpc = 1, lead = 0, lean = 0}
+  return {warps = 8, rpw = 2, unroll = 2, cvt = "alu", pipe = 1, tpc = 1, lead = 0, lean = 0, ksplit = 1}
 end
 
 function T.variants(c)
@@ -311,9 +344,11 @@ local gemv_body = [==[
 #define WARPS $warps
 #define RPW $rpw
 #define UNROLL $unroll
+#define KSPLIT $ksplit           /* warps over a row's columns */
 #define EPC (WFMT == 0 ? 16 : (WFMT == 1 ? 8 : 4))   /* weights per 16-byte chunk */
 #define CPR (COLS / EPC)                             /* chunks per row */
 #define STEPS ((CPR + 31) / 32)
+#define SPW ((STEPS + KSPLIT - 1) / KSPLIT)          /* steps of a warp's column slice */
 #define SUB (EPC / 4)                                /* float4s of x per chunk */
 #define X4 (COLS / 4)                                /* float4s per staged token */
 
@@ -377,7 +412,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned char *__restrict__ ws,
      const void *const *__restrict__ w_tab, const unsigned char *const *__restrict__ ws_tab,
      const int *__restrict__ ids, int n_tab, int xdiv, void *__restrict__ y, int n, int rows, int npairs) {
-  M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
+  $open
   (void)npairs;            /* the W8A16 GEMV's balanced split only */
   DYN_SMEM(float4, xs4);   /* [NMAX][X4] */
   const int p = MOE ? (int)blockIdx.y : 0;
@@ -394,19 +429,13 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
     sb = ws;
   }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row0 = ((int)blockIdx.x * WARPS + warp) * RPW;
+  /* KSPLIT warps share RPW rows: warp ks of them reads steps [s_beg, s_end) */
+  const int ks = warp % KSPLIT, row0 = ((int)blockIdx.x * (WARPS / KSPLIT) + warp / KSPLIT) * RPW;
+  const int s_beg = ks * SPW, s_end = s_beg + SPW < STEPS ? s_beg + SPW : STEPS;
+  const int c_end = s_end * 32 < CPR ? s_end * 32 : CPR;   /* the slice's chunks: [32 s_beg, c_end) */
 #ifdef __CUDA_ARCH__
-  /* Start this warp's first weight lines toward L2 while x is being staged:
-   * the staging latency then overlaps the first HBM reads (a hint only). */
-#pragma unroll
-  for (int u = 0; u < UNROLL; u++)
-#pragma unroll
-    for (int r = 0; r < RPW; r++) {
-      const int c = u * 32 + lane;
-      if (c < CPR && row0 + r < rows)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(wb + ((long long)(row0 + r) * CPR + c) * 16));
-    }
-#endif
+$prefetch#endif
+$wait
   const bf16_t *xb = MOE ? x + (long long)(p < n ? p / xdiv : (xdiv == 1 ? p : p - n)) * COLS : x;
   const float xscale = WFMT == 0 ? 0x1p64f : 1.0f;   /* exact; see the file comment */
   for (int i = threadIdx.x; i < ntok * (COLS / 8); i += WARPS * 32) {
@@ -420,7 +449,9 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
     xs4[t * X4 + xslot(f1 / SUB, f1 % SUB)] = b;
   }
   __syncthreads();
+#if KSPLIT == 1
   if (row0 >= rows) return;
+#endif
   float acc[RPW][NMAX];
 #pragma unroll
   for (int r = 0; r < RPW; r++)
@@ -428,7 +459,7 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
     for (int t = 0; t < NMAX; t++) acc[r][t] = 0.0f;
 
 #pragma unroll 1
-  for (int s0 = 0; s0 < STEPS; s0 += UNROLL) {
+  for (int s0 = s_beg; s0 < s_end; s0 += UNROLL) {
     uint4 q[UNROLL][RPW];
 #if WFMT == 0
     float sf[UNROLL][RPW];
@@ -443,7 +474,7 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
 #if WFMT == 0
         sf[u][r] = 0.0f;
 #endif
-        if (c < CPR && row < rows) {
+        if (c < c_end && row < rows) {
           q[u][r] = ld16_stream(wb + ((long long)row * CPR + c) * 16);
 #if WFMT == 0
           sf[u][r] = e8m0_to_f32(__ldg(sb + (long long)row * (COLS / 32) + (c >> 1)));
@@ -454,7 +485,7 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
 #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
       const int c = (s0 + u) * 32 + lane;
-      if (c < CPR) {
+      if (c < c_end) {
 #pragma unroll
         for (int t = 0; t < NMAX; t++) {
           if (t < ntok) {
@@ -485,6 +516,27 @@ $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned ch
 #pragma unroll
     for (int t = 0; t < NMAX; t++)
       if (t < ntok) acc[r][t] = warp_sum(acc[r][t]);
+#if KSPLIT > 1
+  /* The slices' sums, added in slice order (the same order for every tile
+   * of one KSPLIT); warps past the last row still arrive at the barrier. */
+  __shared__ float s_part[KSPLIT][WARPS / KSPLIT][RPW][NMAX];
+  if (lane == 0)
+#pragma unroll
+    for (int r = 0; r < RPW; r++)
+#pragma unroll
+      for (int t = 0; t < NMAX; t++) s_part[ks][warp / KSPLIT][r][t] = acc[r][t];
+  __syncthreads();
+  if (ks != 0) return;
+#pragma unroll
+  for (int r = 0; r < RPW; r++)
+#pragma unroll
+    for (int t = 0; t < NMAX; t++) {
+      float a = s_part[0][warp / KSPLIT][r][t];
+#pragma unroll
+      for (int j = 1; j < KSPLIT; j++) a = fadd_rn(a, s_part[j][warp / KSPLIT][r][t]);
+      acc[r][t] = a;
+    }
+#endif
   if (lane == 0) {
 #pragma unroll
     for (int r = 0; r < RPW; r++) {
@@ -1168,6 +1220,26 @@ local XSTAGE_NAT = [==[
 ]==]
 
 local WAIT_OPEN = "M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */"
+-- The bf16 / fp32 GEMV (gemv_body): the warp's first weight lines toward L2
+-- while x is staged (the staging latency overlaps the first HBM reads; a
+-- hint only); with lead=1 (non-MoE: the weights are launch inputs no kernel
+-- writes) its whole column slice of each row, one bulk prefetch a row, before
+-- the wait: the router's 3 MB are then in L2 when the post-attention norm
+-- is done.
+local PREFETCH_LINES = [==[
+#pragma unroll
+  for (int u = 0; u < UNROLL; u++)
+#pragma unroll
+    for (int r = 0; r < RPW; r++) {
+      const int c = (s_beg + u) * 32 + lane;
+      if (c < c_end && row0 + r < rows)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(wb + ((long long)(row0 + r) * CPR + c) * 16));
+    }
+]==]
+local PREFETCH_LEAD = [==[
+  if (lane < RPW && row0 + lane < rows && 32 * s_beg < c_end)
+    prefetch_l2(wb + ((long long)(row0 + lane) * CPR + 32 * s_beg) * 16, (unsigned)(c_end - 32 * s_beg) * 16u);
+]==]
 local LEAD_OPEN = "M3_LEAD_IN; /* the weights only until the wait (lib/lead.lua) */"
 local LEAD_WAIT = "  M3_GRID_WAIT(); /* x is the previous kernel's output */\n"
 -- The one-tile loop's pair: grid row blockIdx.y.  With lead=1 on a MoE launch
@@ -1208,9 +1280,12 @@ function T.render(k, t, arch, sym)
     })
     smem = gemv_smem(k, t)
   else
-    src = F.subst("mxfp8", gemv_body, {
+    src = (t.lead == 1 and LEAD.defs or "") .. F.subst("mxfp8", gemv_body, {
       wfmt = ({e4m3 = 0, bf16 = 1, f32 = 2})[k.w], outf32 = k.out == "f32" and 1 or 0, cols = k.cols,
-      nmax = k.nmax, moe = k.moe, warps = t.warps, rpw = t.rpw, unroll = t.unroll, sym = sym,
+      nmax = k.nmax, moe = k.moe, warps = t.warps, rpw = t.rpw, unroll = t.unroll, ksplit = t.ksplit, sym = sym,
+      open = t.lead == 1 and LEAD_OPEN or WAIT_OPEN,
+      prefetch = t.lead == 1 and PREFETCH_LEAD or PREFETCH_LINES,
+      wait = t.lead == 1 and LEAD_WAIT or "",
     })
     smem = gemv_smem(k)
   end

@@ -836,10 +836,10 @@ END_TEST
  * other: there this checks the arithmetic only). */
 START_TEST(gemv_lead_reads_x_after_the_wait) {
   static const struct { int64_t rows, cols; const char *tile; } L[] = {
-      {9856, 6144, "warps=8,rpw=1,unroll=8,cvt=hw,pipe=4,tpc=0,lead=1,lean=0"},
-      {6144, 8192, "warps=4,rpw=1,unroll=4,cvt=hw,pipe=4,tpc=1,lead=1,lean=0"},
-      {6144, 12288, "warps=8,rpw=1,unroll=8,cvt=hw,pipe=3,tpc=3,lead=1,lean=0"},
-      {6144, 3072, "warps=4,rpw=2,unroll=4,cvt=hw,pipe=4,tpc=1,lead=1,lean=0"}};
+      {9856, 6144, "warps=8,rpw=1,unroll=8,cvt=hw,pipe=4,tpc=0,lead=1,lean=0,ksplit=1"},
+      {6144, 8192, "warps=4,rpw=1,unroll=4,cvt=hw,pipe=4,tpc=1,lead=1,lean=0,ksplit=1"},
+      {6144, 12288, "warps=8,rpw=1,unroll=8,cvt=hw,pipe=3,tpc=3,lead=1,lean=0,ksplit=1"},
+      {6144, 3072, "warps=4,rpw=2,unroll=4,cvt=hw,pipe=4,tpc=1,lead=1,lean=0,ksplit=1"}};
   const int64_t rows = real_rows(L[_i].rows), cols = L[_i].cols;
   m3_rng r = rng_for(4242 + (uint64_t)_i);
   uint8_t *q, *sc;
@@ -865,11 +865,54 @@ START_TEST(gemv_lead_reads_x_after_the_wait) {
 }
 END_TEST
 
+/* The router GEMV (fp32 weights, 128 x 6144): its default tile on sm_90
+ * streams the weight rows toward L2 before the grid wait (lead=1) and splits
+ * each row's columns over 8 warps (ksplit=8).  As above, x is written by the
+ * kernel right before, over a NaN-poisoned buffer; and the split's sums
+ * against m3_ref_router_logits (fp32, rel. 1e-5), at 1 and 3 tokens. */
+START_TEST(gemv_router_lead_reads_x_after_the_wait) {
+  const int64_t rows = 128, cols = 6144, n = 1 + 2 * _i;
+  m3_rng r = rng_for(777 + (uint64_t)_i);
+  float *wf = malloc(sizeof *wf * (size_t)(rows * cols));
+  m3_fill_f32(&r, wf, (size_t)(rows * cols), 0.02f);
+  void *d_w = dup(wf, sizeof *wf * (size_t)(rows * cols));
+  void *d_x = dpoison(sizeof(m3_bf16) * (size_t)(n * cols)), *d_y = dpoison(sizeof(float) * (size_t)(n * rows));
+  m3_gemv_args a = {.n = n, .rows = rows, .cols = cols, .wfmt = M3_GEMV_F32, .out_f32 = 1};
+  m3_kernel *k;
+  GPU_CHECK(m3_gemv_kernel(&g_rt, &a, &k, &e_));
+  char ctx[1400];
+  ctx_of(k, "router gemv after a kernel that writes x", ctx, sizeof ctx);
+  if (!g_emu) { /* the default tile is what the decode step runs: the lead-in and the split are in it */
+    char t[256];
+    m3_variant_print_tile(&k->key, t, sizeof t);
+    ck_assert_msg(strstr(t, "lead=1") && strstr(t, "ksplit=8"), "%s", ctx);
+  }
+  GPU_CHECK(m3_fill(&g_rt, d_x, n * cols, "bf16", m3_rng_next(&r), 1.0f, g_rt.stream, &e_));
+  GPU_CHECK(m3_launch_gemv(k, &a, d_x, d_w, NULL, d_y, g_rt.stream, &e_));
+  sync_ok();
+  m3_bf16 *x = down(d_x, sizeof *x * (size_t)(n * cols));
+  float *y = down(d_y, sizeof *y * (size_t)(n * rows)), *yref = malloc(sizeof *yref * (size_t)(n * rows));
+  m3_ref_router_logits(n, (int)cols, (int)rows, x, wf, yref);
+  m3_cmp c = m3_cmp_f32_rel(y, yref, (size_t)(n * rows), 1e-5);
+  char str[256];
+  m3_cmp_str(&c, str, sizeof str);
+  ck_assert_msg(c.bad == 0, "%s: %s", ctx, str);
+  m3_dev_free(d_w); m3_dev_free(d_x); m3_dev_free(d_y);
+  free(wf); free(x); free(y); free(yref);
+}
+END_TEST
+
 /* tpc 1 (a loop of its own), 8 and 0 (the multi-tile loop: fixed, balanced) */
 static int tpc_0_1_or_8(const char *t) { return strstr(t, "tpc=0") || strstr(t, "tpc=1") || strstr(t, "tpc=8"); }
 /* ... and on the emulator, of the lean=1 tiles (the same compute at every
- * warps count) only the 2-warp ones: the rest ran 15 minutes more in CI. */
+ * warps count) only the 2-warp ones: the rest ran 15 minutes more in CI; of
+ * the bf16 / fp32 tiles with a column split or a lead-in (ksplit > 1,
+ * lead=1: 4x the tiles) only those at rpw=1, unroll=4 (the split's
+ * reduction and the prefetch are the same code at every rpw, unroll). */
 static int every_tile(const char *t) {
+  const size_t n = strlen(t);
+  const int plain = n >= 9 && !strcmp(t + n - 9, ",ksplit=1") && !strstr(t, "lead=1");
+  if (g_emu && strstr(t, "pipe=1,") && !plain && !(strstr(t, "rpw=1,") && strstr(t, "unroll=4,"))) return 0;
   return tpc_0_1_or_8(t) && (!g_emu || !strstr(t, "lean=1") || strstr(t, "warps=2,"));
 }
 
@@ -1157,8 +1200,8 @@ static int moe_lead_tile(const char *t) {
 START_TEST(gemv_moe_lead) {
   if (_i <= 1) {
     static const char *const real[2][2] = {
-        {"warps=4,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=4,lead=1,lean=0", "warps=4,rpw=1,unroll=4,cvt=hw,pipe=4,tpc=1,lead=1,lean=1"},
-        {"warps=4,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=1,lead=1,lean=0", "warps=4,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=1,lead=1,lean=1"}};
+        {"warps=4,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=4,lead=1,lean=0,ksplit=1", "warps=4,rpw=1,unroll=4,cvt=hw,pipe=4,tpc=1,lead=1,lean=1,ksplit=1"},
+        {"warps=4,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=1,lead=1,lean=0,ksplit=1", "warps=4,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=1,lead=1,lean=1,ksplit=1"}};
     for (int i = 0; i < 2; i++)
       run_gemv_moe_any(1, 5, 1, 4, real_rows(6144), _i ? 6144 : 3072, _i ? 4 : 1, real[_i][i], 1, 0, _i ? 2 : 1, !_i);
     return;
@@ -1278,9 +1321,9 @@ static void run_gemv_edge(int64_t n, int64_t rows, int64_t cols, const char *til
 static int edge_tile(const char *t) {
   if (!strstr(t, "pipe=3") && !strstr(t, "pipe=4")) return 0;
   if (!tpc_0_1_or_8(t)) return 0;
-  return !g_emu || strstr(t, "warps=2,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=8,lead=0,lean=1") ||
-         strstr(t, "warps=4,rpw=1,unroll=8,cvt=alu,pipe=4,tpc=1,lead=0,lean=1") ||
-         strstr(t, "warps=2,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=0,lead=0,lean=0");
+  return !g_emu || strstr(t, "warps=2,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=8,lead=0,lean=1,ksplit=1") ||
+         strstr(t, "warps=4,rpw=1,unroll=8,cvt=alu,pipe=4,tpc=1,lead=0,lean=1,ksplit=1") ||
+         strstr(t, "warps=2,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=0,lead=0,lean=0,ksplit=1");
 }
 
 START_TEST(gemv_e8m0_edge_codes) {
@@ -1527,8 +1570,8 @@ START_TEST(moe_lead_tiles_in_the_layer) {
   ck_assert_msg(m3_rt_open(&rt, 0, &e) == M3_OK, "%s", e.msg);
   if (!rt.db) ck_assert_ptr_nonnull(rt.db = m3_tunedb_new());
   static const struct { int64_t rows, cols; int settled; const char *tile; } G[2] = {
-      {512, 512, 0, "warps=2,rpw=1,unroll=4,cvt=alu,pipe=3,tpc=1,lead=1,lean=0"},   /* gate|up: 2I x H */
-      {512, 256, 1, "warps=2,rpw=1,unroll=4,cvt=alu,pipe=4,tpc=0,lead=1,lean=0"}};  /* down: H x I */
+      {512, 512, 0, "warps=2,rpw=1,unroll=4,cvt=alu,pipe=3,tpc=1,lead=1,lean=0,ksplit=1"},   /* gate|up: 2I x H */
+      {512, 256, 1, "warps=2,rpw=1,unroll=4,cvt=alu,pipe=4,tpc=0,lead=1,lean=0,ksplit=1"}};  /* down: H x I */
   for (int i = 0; i < 2; i++) {
     m3_gemv_args a = {.n = 4, .rows = G[i].rows, .cols = G[i].cols, .wfmt = M3_GEMV_E4M3, .moe = 1,
                       .xdiv = G[i].settled ? 1 : 4, .n_experts = 16, .ids_settled = G[i].settled};
@@ -1796,6 +1839,7 @@ static Suite *make(void) {
   tcase_add_loop_test(c[6].tc, gemv_w16a16_shapes, 0, 16);
   tcase_add_test(c[6].tc, gemv_odd_rows_and_router);
   tcase_add_loop_test(c[6].tc, gemv_lead_reads_x_after_the_wait, 0, 4);
+  tcase_add_loop_test(c[6].tc, gemv_router_lead_reads_x_after_the_wait, 0, 2);
   /* every tile apart: it compiles a few hundred GEMV kernels */
   tcase_add_loop_test(c[9].tc, gemv_every_tile, 0, 3);
   tcase_add_loop_test(c[6].tc, gemv_moe_expert_shapes, 0, 2);

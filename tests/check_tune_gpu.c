@@ -251,8 +251,10 @@ static const adapter_case ADAPTERS[] = {
      "warps=2,ctas=1,depth=1,cvt=alu,lead=0"},
     {"swiglu", "inter=12288", "tokens=8", "threads=256", "threads=128", 1},
     {"mxfp8", "cols=3072,nmax=1,moe=1,act=none,alpha_e6=0,limit_e6=0,beta_e6=0,combine=0,settled=1", "tokens=4",
-     "warps=8,rpw=1,unroll=4,cvt=alu,pipe=1,tpc=1,lead=0,lean=0", "warps=4,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=4,lead=0,lean=0"},
-    {"mxfp8", "cols=8192,nmax=1,moe=0", "tokens=1", "warps=8,rpw=1,unroll=4,cvt=alu,pipe=1,tpc=1,lead=0,lean=0", "warps=8,rpw=1,unroll=8,cvt=hw,pipe=3,tpc=3,lead=1,lean=0"},
+     "warps=8,rpw=1,unroll=4,cvt=alu,pipe=1,tpc=1,lead=0,lean=0,ksplit=1", "warps=4,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=4,lead=0,lean=0,ksplit=1"},
+    {"mxfp8", "cols=8192,nmax=1,moe=0", "tokens=1", "warps=8,rpw=1,unroll=4,cvt=alu,pipe=1,tpc=1,lead=0,lean=0,ksplit=1", "warps=8,rpw=1,unroll=8,cvt=hw,pipe=3,tpc=3,lead=1,lean=0,ksplit=1"},
+    {"mxfp8", "w=f32", "tokens=1", "warps=8,rpw=1,unroll=8,cvt=alu,pipe=1,tpc=1,lead=0,lean=0,ksplit=8",
+     "warps=4,rpw=1,unroll=4,cvt=alu,pipe=1,tpc=1,lead=0,lean=0,ksplit=1", 1}, /* the router */
     {"swiglu", "inter=3072", "tokens=8", "threads=256", "threads=128", 1}, /* the MoE's: 4 pairs + the shared one */
     {"rmsnorm", "add=0,f32copy=0", "tokens=1", "threads=256", "threads=512", 1},
     {"rmsnorm", "add=1,f32copy=0", "tokens=8", "threads=512", "threads=128", 1},
