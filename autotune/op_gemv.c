@@ -37,8 +37,9 @@ static int64_t main_use(const m3_config *c, const m3_variant *v, int *xdiv) {
   const char *op = m3_variant_axis(v, "op"), *w = m3_variant_axis(v, "w");
   *xdiv = 1;
   if (!op || !w || strcmp(op, "gemv") || m3_variant_axis_int(v, "nmax", 0) != 1) return 0;
-  if (!strcmp(w, "f32")) /* the router: experts x hidden */
-    return !m3_variant_axis_int(v, "moe", 0) && m3_variant_axis_int(v, "cols", 0) == c->hidden_size
+  if (!strcmp(w, "f32")) /* the router: experts x hidden (its route epilogue key, opt-in, is not tuned) */
+    return !m3_variant_axis_int(v, "moe", 0) && !m3_variant_axis_int(v, "route_e", 0) &&
+                   m3_variant_axis_int(v, "cols", 0) == c->hidden_size
                ? c->num_local_experts
                : 0;
   if (strcmp(w, "e4m3")) return 0;

@@ -93,7 +93,7 @@ for r in $(seq 1 "$rounds"); do
       if [ "$dry" = 1 ]; then
         cols=6144 settled=0; [ "$nm" = down ] && cols=3072 settled=1
         M3KIT_TEMPLATE_DIR=$d "$m3kit" gen --compile \
-          "mxfp8(op=gemv,w=e4m3,out=bf16,cols=$cols,nmax=1,moe=1,act=none,alpha_e6=0,limit_e6=0,beta_e6=0,combine=0,settled=$settled)[$t]@sm_90" \
+          "mxfp8(op=gemv,w=e4m3,out=bf16,cols=$cols,nmax=1,moe=1,act=none,alpha_e6=0,limit_e6=0,beta_e6=0,combine=0,settled=$settled,route_e=0,route_k=0,route_renorm=0)[$t]@sm_90" \
           > "$log" 2>&1
         printf '%s\t%s\t%s\t%s\tcompile rc=%s\t\t\n' "$r" "$nm" "$v" "$t" "$?" | tee -a "$res"
         continue

@@ -276,7 +276,7 @@ m3_status m3_launch_moe_combine(const m3_kernel *k, int64_t n_tokens, int hidden
 m3_status m3_dequant_key(int64_t cols, m3_variant *v, m3_err *e) {
   char k[M3_KEY_MAX];
   snprintf(k, sizeof k, "mxfp8(op=dequant,w=e4m3,out=bf16,cols=%" PRId64 ",nmax=1,moe=0,act=none,alpha_e6=0,limit_e6=0,"
-           "beta_e6=0,combine=0,settled=0)", cols);
+           "beta_e6=0,combine=0,settled=0,route_e=0,route_k=0,route_renorm=0)", cols);
   return m3_variant_parse(k, v, e);
 }
 
@@ -310,9 +310,10 @@ m3_status m3_gemv_key(const m3_gemv_args *a, int nmax, m3_variant *v, m3_err *e)
   char k[M3_KEY_MAX];
   snprintf(k, sizeof k,
            "mxfp8(op=gemv,w=%s,out=%s,cols=%" PRId64 ",nmax=%d,moe=%d,act=%s,alpha_e6=%lld,limit_e6=%lld,beta_e6=%lld,"
-           "combine=%d,settled=%d)",
+           "combine=%d,settled=%d,route_e=%d,route_k=%d,route_renorm=%d)",
            wname(a->wfmt), a->out_f32 ? "f32" : "bf16", a->cols, nmax, a->moe ? 1 : 0, a->act ? "swiglu" : "none", al,
-           li, be, a->combine ? 1 : 0, a->moe && a->ids_settled ? 1 : 0);
+           li, be, a->combine ? 1 : 0, a->moe && a->ids_settled ? 1 : 0, a->route_e, a->route_k,
+           a->route_renorm ? 1 : 0);
   return m3_variant_parse(k, v, e);
 }
 
@@ -347,6 +348,9 @@ static m3_status gemv_check(const m3_kernel *k, const m3_gemv_args *a, int moe, 
   M3_TRY(want_axis(k, "combine", a->combine ? 1 : 0, "gemv", e));
   /* settled=1 kernels may read ids before the grid wait: only where the caller vouches for them */
   M3_TRY(want_axis(k, "settled", moe && a->ids_settled ? 1 : 0, "gemv", e));
+  M3_TRY(want_axis(k, "route_e", a->route_e, "gemv", e));
+  M3_TRY(want_axis(k, "route_k", a->route_k, "gemv", e));
+  M3_TRY(want_axis(k, "route_renorm", a->route_renorm ? 1 : 0, "gemv", e));
   if (a->n < 0 || a->rows < 1 || a->rows > INT32_MAX)
     return m3_errf(e, M3_INVAL, "gemv: n %" PRId64 ", rows %" PRId64, a->n, a->rows);
   return M3_OK;
@@ -383,6 +387,7 @@ static uint64_t gemv_grid(const m3_kernel *k, const m3_gemv_args *a, int64_t pai
 m3_status m3_launch_gemv(const m3_kernel *k, const m3_gemv_args *a, const void *x, const void *w,
                          const void *scale, void *y, cudaStream_t stream, m3_err *e) {
   M3_TRY(gemv_check(k, a, 0, e));
+  if (a->route_e) return m3_errf(e, M3_INVAL, "gemv: a route epilogue kernel runs through m3_launch_gemv_route");
   if (misaligned(x) || misaligned(w)) return m3_errf(e, M3_INVAL, "gemv: x and w must be 16-byte aligned");
   if (a->wfmt == M3_GEMV_E4M3 && !scale) return m3_errf(e, M3_INVAL, "gemv: MXFP8 weights need their scales");
   if (a->wfmt == M3_GEMV_E4M3 && ((uintptr_t)scale & 3u))
@@ -401,6 +406,33 @@ m3_status m3_launch_gemv(const m3_kernel *k, const m3_gemv_args *a, const void *
     M3_TRY(launch(k, gx, gy, stream, args, e));
   }
   return M3_OK;
+}
+
+m3_status m3_launch_gemv_route(const m3_kernel *k, const m3_gemv_args *a, const m3_route_args *ra, const void *x,
+                               const void *w, float *logits, const float *bias, int32_t *ids, float *wts,
+                               uint32_t *counter, cudaStream_t stream, m3_err *e) {
+  M3_TRY(gemv_check(k, a, 0, e));
+  const int nmax = (int)m3_variant_axis_int(&k->key, "nmax", 1);
+  if (a->wfmt != M3_GEMV_F32 || !a->out_f32 || a->route_e < 1 || a->rows != a->route_e ||
+      ra->n_experts != a->route_e || ra->topk != a->route_k || !ra->renormalize != !a->route_renorm ||
+      ra->logits_bf16 || ra->n_tokens != a->n)
+    return m3_errf(e, M3_INVAL, "gemv route: the route arguments (experts %d, top-k %d, renorm %d, bf16 logits %d, "
+                   "%d tokens) disagree with the GEMV's (rows %" PRId64 ", route_e %d, route_k %d, route_renorm %d, "
+                   "%" PRId64 " tokens, fp32 weights and logits)", ra->n_experts, ra->topk, ra->renormalize,
+                   ra->logits_bf16, ra->n_tokens, a->rows, a->route_e, a->route_k, a->route_renorm, a->n);
+  if (a->n < 1 || a->n > nmax)
+    return m3_errf(e, M3_INVAL, "gemv route: %" PRId64 " tokens in one launch, the kernel holds nmax %d", a->n, nmax);
+  if (!logits || !ids || !wts || !counter) return m3_errf(e, M3_INVAL, "gemv route: logits, ids, wts and counter are needed");
+  if (misaligned(x) || misaligned(w)) return m3_errf(e, M3_INVAL, "gemv route: x and w must be 16-byte aligned");
+  const void *none = NULL;
+  int zero = 0, one = 1, rows = (int)a->rows, n = (int)a->n;
+  float scaling = ra->routed_scaling;
+  void *y = logits;
+  void *args[] = {&x, &w, &none, &none, &none, &none, &zero, &one, &y, &n, &rows, &one,
+                  &bias, &ids, &wts, &counter, &scaling};
+  unsigned gy;
+  const uint64_t gx = gemv_grid(k, a, 1, &gy);
+  return launch(k, gx, gy, stream, args, e);
 }
 
 m3_status m3_launch_linear_gemv(const m3_kernel *k, int64_t n, const void *x, const m3_ref_weight *w, void *y,
@@ -569,6 +601,7 @@ typedef struct moe_bufs {
   uint16_t *sgu, *sact, *sy;      /* [T, 2Is], [T, Is], [T, H] */
   uint16_t *dq;                   /* [2 max(I, Is), H] dequantised weight (prefill) */
   uint32_t *tiles, *act_tiles;    /* [ceil(H / 16)], [(P + T) I / 16]: the epilogues' tile counts (zero between launches) */
+  uint32_t *route_cnt;            /* [1] the router GEMV's route epilogue count (zero between launches) */
 } moe_bufs;
 
 static size_t carve(moe_bufs *b, char *base, const m3_moe_args *a, const m3_moe_weights *w, int64_t T) {
@@ -601,6 +634,7 @@ static size_t carve(moe_bufs *b, char *base, const m3_moe_args *a, const m3_moe_
   PIECE(dq, uint16_t, w->e4m3 ? D : 1);
   PIECE(tiles, uint32_t, (H + 15) / 16);
   PIECE(act_tiles, uint32_t, (P + T) * ((I + 15) / 16));
+  PIECE(route_cnt, uint32_t, 1);
 #undef PIECE
   return off;
 }
@@ -676,7 +710,7 @@ m3_status m3_moe_fuse_env(unsigned *fuse, m3_err *e) {
     const char *name;
     unsigned bits;
   } names[] = {{"0", 0}, {"none", 0}, {"combine", M3_MOE_FUSE_COMBINE}, {"act", M3_MOE_FUSE_ACT},
-               {"all", M3_MOE_FUSE_COMBINE | M3_MOE_FUSE_ACT}};
+               {"all", M3_MOE_FUSE_COMBINE | M3_MOE_FUSE_ACT}, {"route", M3_MOE_FUSE_ROUTE}};
   const char *v = getenv("M3KIT_MOE_FUSE");
   *fuse = M3_MOE_FUSE_DEFAULT;
   if (!v || !*v) return M3_OK;
@@ -686,7 +720,7 @@ m3_status m3_moe_fuse_env(unsigned *fuse, m3_err *e) {
     size_t i = 0;
     while (i < sizeof names / sizeof names[0] && (strlen(names[i].name) != len || strncmp(p, names[i].name, len))) i++;
     if (i == sizeof names / sizeof names[0] || (p[len] == ',' && !p[len + 1]))
-      return m3_errf(e, M3_INVAL, "M3KIT_MOE_FUSE=%s: expected a comma-separated list of combine, act (or all, none)",
+      return m3_errf(e, M3_INVAL, "M3KIT_MOE_FUSE=%s: expected a comma-separated list of combine, act, route (or all, none)",
                      v);
     bits |= names[i].bits;
     p += len;
@@ -724,13 +758,26 @@ m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_m
   do {                   \
     if (stg & (bit)) M3_TRY(call); \
   } while (0)
-  if (m32 && !decode) M3_TRY(m3_gemm_f32(g, n, E, H, m32, 0, w->wg, 0, b.logits, 0, e));
-  else STAGE(M3_MOE_STAGE_ROUTER, gemv_run(rt, s, n, E, H, M3_GEMV_F32, 1, m, w->wg, NULL, b.logits, e));
   m3_route_args ra = {.n_tokens = (int)n, .n_experts = (int)E, .topk = (int)K, .renormalize = a->renormalize,
                       .routed_scaling = a->routed_scaling, .logits_bf16 = 0};
-  M3_TRY(m3_route_key(&ra, "route", &v, e));
-  M3_TRY(kernel_at(rt, &v, n, &k, e));
-  STAGE(M3_MOE_STAGE_ROUTE, m3_launch_route(k, &ra, b.logits, w->bias, ids, wts, s, e));
+  /* Decode with M3KIT_MOE_FUSE=route: the router GEMV's last CTA selects the
+   * experts (its route epilogue), where one launch holds the tokens. */
+  m3_kernel *kr = NULL;
+  if (decode && (ws->fuse & M3_MOE_FUSE_ROUTE)) {
+    m3_gemv_args gr = {.n = n, .rows = E, .cols = H, .wfmt = M3_GEMV_F32, .out_f32 = 1, .route_e = (int)E,
+                       .route_k = (int)K, .route_renorm = a->renormalize ? 1 : 0};
+    M3_TRY(m3_gemv_kernel(rt, &gr, &kr, e));
+    if (m3_variant_axis_int(&kr->key, "nmax", 1) < n) kr = NULL; /* x does not fit one launch: route of its own */
+    else STAGE(M3_MOE_STAGE_ROUTER, m3_launch_gemv_route(kr, &gr, &ra, m, w->wg, b.logits, w->bias, ids, wts,
+                                                         b.route_cnt, s, e));
+  }
+  if (!kr) {
+    if (m32 && !decode) M3_TRY(m3_gemm_f32(g, n, E, H, m32, 0, w->wg, 0, b.logits, 0, e));
+    else STAGE(M3_MOE_STAGE_ROUTER, gemv_run(rt, s, n, E, H, M3_GEMV_F32, 1, m, w->wg, NULL, b.logits, e));
+    M3_TRY(m3_route_key(&ra, "route", &v, e));
+    M3_TRY(kernel_at(rt, &v, n, &k, e));
+    STAGE(M3_MOE_STAGE_ROUTE, m3_launch_route(k, &ra, b.logits, w->bias, ids, wts, s, e));
+  }
 
   /* Decode: a shared expert as wide as the routed ones rides along as n
    * more pairs of the routed GEMVs and SwiGLU (below); otherwise it has a

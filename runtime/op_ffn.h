@@ -158,6 +158,8 @@ typedef struct m3_gemv_args {
                          stream (the down GEMV: route -> gate|up [-> SwiGLU] -> down), so they are complete when
                          the kernel starts even under programmatic dependent launch; the key's settled axis,
                          which lets a lead=1 tile read them before its grid wait (templates/lib/lead.lua) */
+  /* The fp32 router GEMV's route epilogue (m3_launch_gemv_route; 0 elsewhere): */
+  int route_e, route_k, route_renorm; /* experts (= rows), top-k, renormalise (the key's axes) */
 } m3_gemv_args;
 
 /* Key for an explicit nmax (1, 2, 4, 8).  Errors: M3_KEY. */
@@ -246,6 +248,22 @@ typedef struct m3_gemv_epilogue {
  * settled=0, the shared pairs' CTAs only (their grid rows first): sw, ss and
  * the shared expert's weight bytes, which no kernel of the stream may write.
  * x, the epilogue's buffers and (settled=0) ids only after the wait. */
+/* The fp32 router GEMV with the route epilogue (a->route_e = a->rows =
+ * ra->n_experts, a->route_k = ra->topk, a->route_renorm = ra->renormalize;
+ * M3KIT_MOE_FUSE=route): logits [n, E] fp32 = x [n, cols] bf16 · Wᵀ as
+ * m3_launch_gemv (W [E, cols] fp32), then the last CTA to finish selects
+ * every token's experts from them as m3_launch_route does on the same
+ * logits, bit for bit (templates/lib/route.lua, m3_ref_route §7.2): ids
+ * [n, K] int32, wts [n, K] fp32; bias [E] fp32 or NULL.  One launch: n <=
+ * the key's nmax.  counter: a device word, zero before the first launch;
+ * each launch leaves it zero (launches on one counter must not overlap).
+ * Reads x after its grid wait, the weights (lead=1 tiles) before it.
+ * Errors: M3_INVAL (kernel/argument mismatch, n > nmax, bf16 logits,
+ * misaligned pointers), M3_CUDA. */
+m3_status m3_launch_gemv_route(const m3_kernel *k, const m3_gemv_args *a, const m3_route_args *ra, const void *x,
+                               const void *w, float *logits, const float *bias, int32_t *ids, float *wts,
+                               uint32_t *counter, cudaStream_t stream, m3_err *e);
+
 m3_status m3_launch_gemv_moe_fused(const m3_kernel *k, const m3_gemv_args *a, const void *x,
                                    const void *const *w_tab, const void *const *s_tab, const int32_t *ids,
                                    const void *sw, const void *ss, int64_t n_shared, void *y,
@@ -333,7 +351,9 @@ void m3_moe_ws_free(m3_moe_ws *ws);
  * M3_MOE_FUSE_COMBINE has the down GEMV also write the combine,
  * M3_MOE_FUSE_ACT the gate|up GEMV SwiGLU(gu) (m3_launch_gemv_moe_fused: the
  * same values, a launch fewer each; off by default: not faster on the H200,
- * runtime/op_ffn.c says what was measured).  Prefill: router GEMM (cuBLAS fp32 with m32, else
+ * runtime/op_ffn.c says what was measured); M3_MOE_FUSE_ROUTE (decode, up to
+ * 8 tokens: one launch) the router GEMV's last CTA the top-k
+ * (m3_launch_gemv_route).  Prefill: router GEMM (cuBLAS fp32 with m32, else
  * the GEMV in chunks of 8 tokens), route, stable group, gather, one cuBLAS
  * GEMM per expert on its contiguous rows (MXFP8 experts are dequantised into
  * scratch first), SwiGLU, combine through the inverse permutation; one sync
@@ -350,12 +370,13 @@ void m3_moe_ws_free(m3_moe_ws *ws);
 enum {
   M3_MOE_FUSE_COMBINE = 1, /* the down GEMV's epilogue writes the combine (templates/mxfp8.lua combine=1) */
   M3_MOE_FUSE_ACT = 2,     /* the gate|up GEMV's epilogue writes SwiGLU(gu) (act=swiglu) */
+  M3_MOE_FUSE_ROUTE = 16,  /* the router GEMV's epilogue selects the experts (route_e > 0; decode, <= 8 tokens) */
 };
 /* The bits that apply when M3KIT_MOE_FUSE is unset: none. */
 #define M3_MOE_FUSE_DEFAULT 0u
 
 /* The environment's M3KIT_MOE_FUSE as M3_MOE_FUSE_* bits: a comma-separated
- * list of "combine", "act"; "all" = combine,act; "0" or "none" = no bits;
+ * list of "combine", "act", "route"; "all" = combine,act; "0" or "none" = no bits;
  * unset or empty = M3_MOE_FUSE_DEFAULT.  Errors: M3_INVAL naming the variable
  * for an unknown name. */
 m3_status m3_moe_fuse_env(unsigned *fuse, m3_err *e);

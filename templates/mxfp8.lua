@@ -58,6 +58,7 @@
 local P = m3.include("lib/prelude")
 local F = m3.include("lib/ffn")
 local I = m3.include("lib/indexer")
+local R = m3.include("lib/route")
 
 local LEAD = m3.include("lib/lead")
 
@@ -82,6 +83,13 @@ T.axes = {
   -- [-> SwiGLU].  It lets lead=1 tiles resolve their experts and stream the
   -- first weights before the grid wait.  The code is the same either way.
   {"settled", {0, 1}},
+  -- The fp32 router GEMV's route epilogue (opt-in, M3KIT_MOE_FUSE=route): the
+  -- last CTA to finish reads the logits [n, route_e] back from L2 and selects
+  -- each token's route_k experts exactly as moe_route's route stage
+  -- (lib/route.lua, m3_ref_route): a launch a MoE layer fewer.  0 = none.
+  {"route_e", "int"},               -- experts = the GEMV's rows
+  {"route_k", "int"},               -- top-k
+  {"route_renorm", {0, 1}},         -- 1: weights renormalised over the chosen (M3)
 }
 T.tiles = {
   {"warps", {2, 4, 8, 16}},         -- warps per CTA
@@ -145,6 +153,15 @@ function T.valid(k, t, arch)
     end
   elseif k.limit_e6 < 0 then
     return false, "the clamp limit must be >= 0"
+  end
+  if k.route_e ~= 0 or k.route_k ~= 0 or k.route_renorm ~= 0 then
+    if k.op ~= "gemv" or k.w ~= "f32" or k.out ~= "f32" or k.moe ~= 0 then
+      return false, "route_e, route_k, route_renorm are the fp32 router GEMV's route epilogue (op=gemv, w=f32, out=f32, moe=0)"
+    end
+    if k.route_e < 1 or k.route_e > 1024 then return false, "route_e (experts) must be in [1, 1024] (32 per lane)" end
+    if k.route_k < 1 or k.route_k > k.route_e or k.route_k > 16 then
+      return false, "route_k must be in [1, min(route_e, 16)]"
+    end
   end
   if k.settled == 1 and k.moe ~= 1 then
     return false, "settled=1 vouches for the MoE GEMV's expert ids (moe=1); a non-MoE GEMV has none"
@@ -266,12 +283,14 @@ function T.variants(c)
     if seen[id] then return end
     seen[id] = true
     local v = {op = op, w = w, out = o, cols = cols, nmax = 1, moe = moe, act = "none", alpha_e6 = 0, limit_e6 = 0,
-               beta_e6 = 0, combine = 0, settled = settled or 0}
+               beta_e6 = 0, combine = 0, settled = settled or 0, route_e = 0, route_k = 0, route_renorm = 0}
     if epi == "act" then
       v.act, v.alpha_e6 = "swiglu", c.swiglu_alpha_e6 or 1702000
       v.limit_e6, v.beta_e6 = c.swiglu_limit_e6 or 7000000, c.swiglu_beta_e6 or 1000000
     elseif epi == "combine" then
       v.combine = 1
+    elseif epi == "route" then
+      v.route_e, v.route_k, v.route_renorm = c.experts, c.topk_experts, 1
     end
     out[#out + 1] = v
   end
@@ -287,13 +306,14 @@ function T.variants(c)
     add("gemv", "e4m3", "bf16", c.inter, 1, nil, 1)         -- routed experts down (its ids settled: route is 2 back)
     -- The opt-in epilogue launches (runtime/op_ffn.c, M3KIT_MOE_FUSE: the
     -- dims' moe_fuse bits, runtime/op_ffn.h M3_MOE_FUSE_*): the down GEMV's
-    -- combine (1); gate|up's SwiGLU (2).
+    -- combine (1); gate|up's SwiGLU (2); the router GEMV's route (16).
     local fuse = c.moe_fuse or 0
     if c.shared_inter == c.inter then
       if fuse & 1 ~= 0 then add("gemv", "e4m3", "bf16", c.inter, 1, "combine", 1) end
       if fuse & 2 ~= 0 and c.inter % 64 == 0 then add("gemv", "e4m3", "bf16", H, 1, "act") end
     end
     add("gemv", "f32", "f32", H, 0)                         -- fp32 router
+    if fuse & 16 ~= 0 then add("gemv", "f32", "f32", H, 0, "route") end   -- ... with the route epilogue
   end
   add("gemv", "bf16", "f32", H, 0)                          -- lm_head (bf16 in both releases) -> fp32 logits
   -- Dequantisation for the prefill path (cuBLAS on bf16).
@@ -345,6 +365,7 @@ local gemv_body = [==[
 #define RPW $rpw
 #define UNROLL $unroll
 #define KSPLIT $ksplit           /* warps over a row's columns */
+#define ROUTE_E $route_e         /* > 0: the route epilogue (rows = ROUTE_E experts) */
 #define EPC (WFMT == 0 ? 16 : (WFMT == 1 ? 8 : 4))   /* weights per 16-byte chunk */
 #define CPR (COLS / EPC)                             /* chunks per row */
 #define STEPS ((CPR + 31) / 32)
@@ -411,7 +432,7 @@ M3_DEV float dot_chunk(uint4 q, const float *xv, float acc) {
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 $sym(const bf16_t *__restrict__ x, const void *__restrict__ w, const unsigned char *__restrict__ ws,
      const void *const *__restrict__ w_tab, const unsigned char *const *__restrict__ ws_tab,
-     const int *__restrict__ ids, int n_tab, int xdiv, void *__restrict__ y, int n, int rows, int npairs) {
+     const int *__restrict__ ids, int n_tab, int xdiv, void *__restrict__ y, int n, int rows, int npairs$rparams) {
   $open
   (void)npairs;            /* the W8A16 GEMV's balanced split only */
   DYN_SMEM(float4, xs4);   /* [NMAX][X4] */
@@ -449,7 +470,7 @@ $wait
     xs4[t * X4 + xslot(f1 / SUB, f1 % SUB)] = b;
   }
   __syncthreads();
-#if KSPLIT == 1
+#if KSPLIT == 1 && !ROUTE_E
   if (row0 >= rows) return;
 #endif
   float acc[RPW][NMAX];
@@ -526,7 +547,9 @@ $wait
 #pragma unroll
       for (int t = 0; t < NMAX; t++) s_part[ks][warp / KSPLIT][r][t] = acc[r][t];
   __syncthreads();
+#if !ROUTE_E
   if (ks != 0) return;
+#endif
 #pragma unroll
   for (int r = 0; r < RPW; r++)
 #pragma unroll
@@ -537,7 +560,7 @@ $wait
       acc[r][t] = a;
     }
 #endif
-  if (lane == 0) {
+  if (lane == 0 && ks == 0) {
 #pragma unroll
     for (int r = 0; r < RPW; r++) {
       const int row = row0 + r;
@@ -554,6 +577,24 @@ $wait
       }
     }
   }
+#if ROUTE_E
+  /* The route epilogue: the CTA whose count completes the grid selects every
+   * token's experts from the logits all CTAs wrote (read back through L2 into
+   * shared memory: route_token's plain loads then see this launch's values),
+   * and zeroes the count for the next launch. */
+  __shared__ unsigned s_last;
+  __shared__ float s_lg[NMAX * ROUTE_E];
+  __threadfence();   /* this CTA's logits device-wide before its count */
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(rcnt, 1u) == gridDim.x - 1u;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < n * ROUTE_E; i += WARPS * 32) s_lg[i] = __ldcg((const float *)y + i);
+  __syncthreads();
+  for (int t = warp; t < n; t += WARPS) route_token(t, s_lg, rbias, rids, rw, rscale, lane);
+  if (threadIdx.x == 0) *rcnt = 0u;
+#endif
 }
 ]==]
 
@@ -1256,6 +1297,17 @@ local SHARED_PAIRSEL = [==[
 ]==]
 local function shared_lead(k, t) return t.lead == 1 and k.moe == 1 and k.settled == 0 end
 
+-- The router GEMV's route epilogue (route_e > 0): lib/route.lua's selection
+-- on the key's experts, top-k and renorm; fp32 logits.
+local function route_defs(k)
+  if k.route_e == 0 then return "" end
+  return string.format("#define E %d\n#define K %d\n#define EPL ((E + 31) / 32)\n#define RENORM %d\n" ..
+                       "#define LOGITS_BF16 0\n#ifndef FULL\n#define FULL 0xffffffffu\n#endif\n",
+                       k.route_e, k.route_k, k.route_renorm) .. R.beats .. R.route_token
+end
+local ROUTE_PARAMS = ",\n     const float *__restrict__ rbias, int *__restrict__ rids, float *__restrict__ rw, " ..
+                     "unsigned *__restrict__ rcnt, float rscale"
+
 function T.render(k, t, arch, sym)
   local src, threads, smem
   threads = t.warps * 32
@@ -1280,12 +1332,14 @@ function T.render(k, t, arch, sym)
     })
     smem = gemv_smem(k, t)
   else
-    src = (t.lead == 1 and LEAD.defs or "") .. F.subst("mxfp8", gemv_body, {
+    src = (t.lead == 1 and LEAD.defs or "") .. route_defs(k) .. F.subst("mxfp8", gemv_body, {
       wfmt = ({e4m3 = 0, bf16 = 1, f32 = 2})[k.w], outf32 = k.out == "f32" and 1 or 0, cols = k.cols,
       nmax = k.nmax, moe = k.moe, warps = t.warps, rpw = t.rpw, unroll = t.unroll, ksplit = t.ksplit, sym = sym,
       open = t.lead == 1 and LEAD_OPEN or WAIT_OPEN,
       prefetch = t.lead == 1 and PREFETCH_LEAD or PREFETCH_LINES,
       wait = t.lead == 1 and LEAD_WAIT or "",
+      route_e = k.route_e,
+      rparams = k.route_e > 0 and ROUTE_PARAMS or "",
     })
     smem = gemv_smem(k)
   end

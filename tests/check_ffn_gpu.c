@@ -902,6 +902,86 @@ START_TEST(gemv_router_lead_reads_x_after_the_wait) {
 }
 END_TEST
 
+/* The router GEMV's route epilogue (M3KIT_MOE_FUSE=route): one launch
+ * writes the logits and, from its last CTA, every token's experts; both must
+ * be bit for bit what the router GEMV of the same tile followed by the route
+ * kernel writes (and the routing m3_ref_route's on those logits), over
+ * NaN-poisoned outputs, twice in a row (the count is back at zero), at 1, 3
+ * and 8 tokens, with a bias; _i = 3: a tile with ksplit=1 and lead=0. */
+START_TEST(router_route_epilogue) {
+  static const int Ntok[4] = {1, 3, 8, 2};
+  const int n = Ntok[_i], E = 128, K = 4;
+  const int64_t H = g_emu ? 1024 : 6144;
+  m3_rng r = rng_for(991 + (uint64_t)_i);
+  float *wf = malloc(sizeof *wf * (size_t)(E * H)), bias[128];
+  m3_bf16 *x = malloc(sizeof *x * (size_t)(n * H));
+  m3_fill_f32(&r, wf, (size_t)(E * H), 0.02f);
+  m3_fill_f32(&r, bias, 128, 0.1f);
+  m3_fill_bf16(&r, x, (size_t)(n * H), 1.0f);
+  void *d_w = dup(wf, sizeof *wf * (size_t)(E * H)), *d_x = dup(x, sizeof *x * (size_t)(n * H));
+  void *d_b = dup(bias, sizeof bias), *d_cnt = dpoison(4);
+  ck_assert_int_eq(cudaMemset(d_cnt, 0, 4), cudaSuccess);
+  const size_t lb = sizeof(float) * (size_t)(n * E), rb = 4 * (size_t)(n * K);
+  m3_route_args ra = {.n_tokens = n, .n_experts = E, .topk = K, .renormalize = 1, .routed_scaling = 2.0f};
+  m3_gemv_args gr = {.n = n, .rows = E, .cols = H, .wfmt = M3_GEMV_F32, .out_f32 = 1, .route_e = E, .route_k = K,
+                     .route_renorm = 1};
+  m3_err e;
+  m3_kernel *kf;
+  GPU_CHECK(m3_gemv_kernel(&g_rt, &gr, &kf, &e_));
+  char tile[256];
+  m3_variant_print_tile(&kf->key, tile, sizeof tile);
+  const int nmax = (int)m3_variant_axis_int(&kf->key, "nmax", 1);
+  if (_i == 3) {
+    snprintf(tile, sizeof tile, "warps=4,rpw=1,unroll=4,cvt=alu,pipe=1,tpc=1,lead=0,lean=0,ksplit=1");
+    m3_variant v;
+    ck_assert_int_eq(m3_gemv_key(&gr, nmax, &v, &e), M3_OK);
+    kf = kern(&v, tile);
+  }
+  /* the plain pair: the router GEMV of the same tile, then the route kernel */
+  m3_gemv_args gp = gr;
+  gp.route_e = gp.route_k = gp.route_renorm = 0;
+  m3_variant vp, vr;
+  ck_assert_int_eq(m3_gemv_key(&gp, nmax, &vp, &e), M3_OK);
+  m3_kernel *kp = kern(&vp, tile), *kr;
+  ck_assert_int_eq(m3_route_key(&ra, "route", &vr, &e), M3_OK);
+  GPU_CHECK(m3_rt_kernel(&g_rt, &vr, NULL, &kr, &e_));
+  void *p_lg = dpoison(lb), *p_ids = dpoison(rb), *p_w = dpoison(rb);
+  GPU_CHECK(m3_launch_gemv(kp, &gp, d_x, d_w, NULL, p_lg, g_rt.stream, &e_));
+  GPU_CHECK(m3_launch_route(kr, &ra, p_lg, d_b, p_ids, p_w, g_rt.stream, &e_));
+  sync_ok();
+  float *lg0 = down(p_lg, lb), *w0 = down(p_w, rb);
+  int32_t *ids0 = down(p_ids, rb);
+  /* ... and the C reference on those logits */
+  int32_t *rids = malloc(rb);
+  float *rw = malloc(rb);
+  ck_assert_int_eq(m3_ref_route(&ra, lg0, bias, rids, rw, &e), M3_OK);
+  ck_assert_msg(!memcmp(rids, ids0, rb) && !memcmp(rw, w0, rb), "route kernel vs m3_ref_route");
+  char ctx[1400];
+  ctx_of(kf, "router gemv + route epilogue", ctx, sizeof ctx);
+  for (int rep = 0; rep < 2; rep++) {
+    void *f_lg = dpoison(lb), *f_ids = dpoison(rb), *f_w = dpoison(rb);
+    GPU_CHECK(m3_launch_gemv_route(kf, &gr, &ra, d_x, d_w, f_lg, d_b, f_ids, f_w, d_cnt, g_rt.stream, &e_));
+    sync_ok();
+    float *lg1 = down(f_lg, lb), *w1 = down(f_w, rb);
+    int32_t *ids1 = down(f_ids, rb), *cnt = down(d_cnt, 4);
+    ck_assert_msg(!memcmp(lg1, lg0, lb), "%s: logits differ from the plain GEMV's (launch %d)", ctx, rep);
+    ck_assert_msg(!memcmp(ids1, ids0, rb), "%s: expert ids differ from the route kernel's (launch %d)", ctx, rep);
+    ck_assert_msg(!memcmp(w1, w0, rb), "%s: weights differ from the route kernel's (launch %d)", ctx, rep);
+    ck_assert_msg(cnt[0] == 0, "%s: the count is %u after the launch, not 0", ctx, cnt[0]);
+    m3_dev_free(f_lg); m3_dev_free(f_ids); m3_dev_free(f_w);
+    free(lg1); free(w1); free(ids1); free(cnt);
+  }
+  /* more tokens than the kernel's nmax, or disagreeing route arguments: refused */
+  m3_route_args bad = ra;
+  bad.topk = 2;
+  ck_assert_int_eq(m3_launch_gemv_route(kf, &gr, &bad, d_x, d_w, p_lg, d_b, p_ids, p_w, d_cnt, g_rt.stream, &e), M3_INVAL);
+  ck_assert_int_eq(m3_launch_gemv(kf, &gr, d_x, d_w, NULL, p_lg, g_rt.stream, &e), M3_INVAL);
+  m3_dev_free(d_w); m3_dev_free(d_x); m3_dev_free(d_b); m3_dev_free(d_cnt);
+  m3_dev_free(p_lg); m3_dev_free(p_ids); m3_dev_free(p_w);
+  free(wf); free(x); free(lg0); free(w0); free(ids0); free(rids); free(rw);
+}
+END_TEST
+
 /* tpc 1 (a loop of its own), 8 and 0 (the multi-tile loop: fixed, balanced) */
 static int tpc_0_1_or_8(const char *t) { return strstr(t, "tpc=0") || strstr(t, "tpc=1") || strstr(t, "tpc=8"); }
 /* ... and on the emulator, of the lean=1 tiles (the same compute at every
@@ -1599,7 +1679,7 @@ END_TEST
  * down GEMV, and also SwiGLU in the gate|up GEMV; MXFP8 decode (the only
  * path that fuses) at 1 and 5 tokens, against m3_ref_moe as the plain path. */
 START_TEST(moe_fused_paths) {
-  static const char *const modes[2] = {"combine", "all"};
+  static const char *const modes[3] = {"combine", "all", "route"};
   m3_err e;
   unsigned fuse;
   static const char *const bad[3] = {"1", "combine,", "combine,bogus"}; /* not modes: errors naming the variable */
@@ -1613,20 +1693,24 @@ START_TEST(moe_fused_paths) {
   ck_assert_uint_eq(fuse, M3_MOE_FUSE_COMBINE | M3_MOE_FUSE_ACT);
   ck_assert_int_eq(setenv("M3KIT_MOE_FUSE", modes[_i], 1), 0);
   ck_assert_int_eq(m3_moe_fuse_env(&fuse, &e), M3_OK);
-  ck_assert((fuse & M3_MOE_FUSE_COMBINE) && !!(fuse & M3_MOE_FUSE_ACT) == (_i == 1));
+  ck_assert(_i == 2 ? fuse == M3_MOE_FUSE_ROUTE
+                    : (fuse & M3_MOE_FUSE_COMBINE) && !!(fuse & M3_MOE_FUSE_ACT) == (_i == 1));
   run_moe(1, 1, 1, 256);
   run_moe(1, 5, 1, 256);
   run_moe(1, 3, 1, 128); /* a narrower shared expert: not fused, the plain launches */
   ck_assert_int_eq(unsetenv("M3KIT_MOE_FUSE"), 0);
-  int ran_comb = 0, ran_act = 0; /* the fused kernels are what ran */
+  int ran_comb = 0, ran_act = 0, ran_route = 0; /* the fused kernels are what ran */
   for (int i = 0; i < g_rt.n_kernels; i++) {
     char key[M3_KEY_MAX];
     m3_variant_print(&g_rt.kernels[i]->key, key, sizeof key);
     ran_comb |= strstr(key, "combine=1") != NULL;
     ran_act |= strstr(key, "act=swiglu") != NULL;
+    ran_route |= strstr(key, "w=f32") && !strstr(key, "route_e=0,");
   }
-  ck_assert_msg(ran_comb && ran_act == (_i == 1), "M3KIT_MOE_FUSE=%s: combine kernel %d, SwiGLU epilogue kernel %d",
-                modes[_i], ran_comb, ran_act);
+  /* (without fork, CK_FORK=no, the kernels of the earlier modes are still loaded) */
+  ck_assert_msg(_i == 2 ? ran_route : ran_comb && ran_act == (_i == 1) && !ran_route,
+                "M3KIT_MOE_FUSE=%s: combine kernel %d, SwiGLU epilogue kernel %d, route epilogue kernel %d", modes[_i],
+                ran_comb, ran_act, ran_route);
 }
 END_TEST
 
@@ -1840,6 +1924,7 @@ static Suite *make(void) {
   tcase_add_test(c[6].tc, gemv_odd_rows_and_router);
   tcase_add_loop_test(c[6].tc, gemv_lead_reads_x_after_the_wait, 0, 4);
   tcase_add_loop_test(c[6].tc, gemv_router_lead_reads_x_after_the_wait, 0, 2);
+  tcase_add_loop_test(c[2].tc, router_route_epilogue, 0, 4);
   /* every tile apart: it compiles a few hundred GEMV kernels */
   tcase_add_loop_test(c[9].tc, gemv_every_tile, 0, 3);
   tcase_add_loop_test(c[6].tc, gemv_moe_expert_shapes, 0, 2);
@@ -1852,7 +1937,7 @@ static Suite *make(void) {
   tcase_add_loop_test(c[7].tc, moe_end_to_end, 0, 10);
   tcase_add_test(c[7].tc, moe_uses_tuned_record);
   tcase_add_test(c[7].tc, moe_lead_tiles_in_the_layer);
-  tcase_add_loop_test(c[7].tc, moe_fused_paths, 0, 2);
+  tcase_add_loop_test(c[7].tc, moe_fused_paths, 0, 3);
   tcase_add_test(c[8].tc, greedy_matches_reference);
   tcase_add_loop_test(c[8].tc, top_p_matches_reference, 0, 5);
   tcase_add_test(c[8].tc, sample_every_tile);
