@@ -58,36 +58,72 @@ m3_status m3_err_word_take(int32_t *err_word, cudaStream_t stream, int64_t *firs
 /* RMSNorm                                                                  */
 /* ------------------------------------------------------------------------ */
 
-m3_status m3_rmsnorm_key(int add, int f32copy, int n, m3_variant *v, m3_err *e) {
+static m3_status norm_key(int add, int f32copy, int combine, int n, m3_variant *v, m3_err *e) {
   char k[M3_KEY_MAX];
-  snprintf(k, sizeof k, "rmsnorm(add=%d,f32copy=%d,n=%d)", add ? 1 : 0, f32copy ? 1 : 0, n);
+  snprintf(k, sizeof k, "rmsnorm(add=%d,f32copy=%d,combine=%d,n=%d)", add ? 1 : 0, f32copy ? 1 : 0, combine, n);
   return m3_variant_parse(k, v, e);
 }
 
-static m3_status norm_common(const m3_kernel *k, int add, int64_t n_rows, int n, const void *x, void *residual,
-                             const void *w, float eps, void *y, float *y32, cudaStream_t s, m3_err *e) {
-  const char *what = add ? "add_rmsnorm" : "rmsnorm";
+m3_status m3_rmsnorm_key(int add, int f32copy, int n, m3_variant *v, m3_err *e) {
+  return norm_key(add, f32copy, 0, n, v, e);
+}
+
+m3_status m3_rmsnorm_combine_key(int topk, int f32copy, int n, m3_variant *v, m3_err *e) {
+  return norm_key(1, f32copy, topk, n, v, e);
+}
+
+/* The three launchers' checks and launch.  combine = 0: x as it is;
+ * combine = K: ey/ew/esh instead of x, the combine kernel's 3 parameters
+ * after the plain kernel's 7 (templates/rmsnorm.lua).  One argument array
+ * serves both: a launch reads as many as the kernel declares (CUDA, and the
+ * emulator from the kernel's signature). */
+static m3_status norm_common(const m3_kernel *k, int add, int combine, int64_t n_rows, int n, const void *x,
+                             void *residual, const void *w, float eps, void *y, float *y32, const void *ey,
+                             const float *ew, const void *esh, cudaStream_t s, m3_err *e) {
+  const char *what = combine ? "add_rmsnorm_combine" : add ? "add_rmsnorm" : "rmsnorm";
   M3_TRY(want_axis(k, "add", add, what, e));
+  M3_TRY(want_axis(k, "combine", combine, what, e));
   M3_TRY(want_axis(k, "n", n, what, e));
   M3_TRY(want_axis(k, "f32copy", y32 != NULL, what, e));
   if (n_rows < 0 || n_rows > INT32_MAX) return m3_errf(e, M3_INVAL, "%s: %" PRId64 " rows", what, n_rows);
-  if (n % 8 == 0 && (misaligned(x) || misaligned(y) || misaligned(w) || (add && misaligned(residual)) ||
-                     (y32 && misaligned(y32))))
+  if (n % 8 == 0 && ((!combine && misaligned(x)) || misaligned(y) || misaligned(w) || (add && misaligned(residual)) ||
+                     (y32 && misaligned(y32)) || (combine && (misaligned(ey) || misaligned(esh)))))
     return m3_errf(e, M3_INVAL, "%s: pointers must be 16-byte aligned (vector path)", what);
   long long rows = n_rows;
-  void *args[] = {&x, &residual, &w, &y, &y32, &rows, &eps};
+  void *args[] = {&x, &residual, &w, &y, &y32, &rows, &eps, &ey, &ew, &esh};
   return launch(k, (uint64_t)n_rows, 1, s, args, e);
 }
 
 m3_status m3_launch_rmsnorm(const m3_kernel *k, int64_t n_rows, int n, const void *x, const void *w, float eps,
                             void *y, float *y32, cudaStream_t stream, m3_err *e) {
-  return norm_common(k, 0, n_rows, n, x, NULL, w, eps, y, y32, stream, e);
+  return norm_common(k, 0, 0, n_rows, n, x, NULL, w, eps, y, y32, NULL, NULL, NULL, stream, e);
 }
 
 m3_status m3_launch_add_rmsnorm(const m3_kernel *k, int64_t n_rows, int n, const void *x, void *residual,
                                 const void *w, float eps, void *y, float *y32, cudaStream_t stream, m3_err *e) {
   if (residual == y) return m3_errf(e, M3_INVAL, "add_rmsnorm: y must not alias residual");
-  return norm_common(k, 1, n_rows, n, x, residual, w, eps, y, y32, stream, e);
+  return norm_common(k, 1, 0, n_rows, n, x, residual, w, eps, y, y32, NULL, NULL, NULL, stream, e);
+}
+
+/* [p, p + bytes) and [q, q + bytes2) overlap */
+static int overlaps(const void *p, size_t bytes, const void *q, size_t bytes2) {
+  const uintptr_t a = (uintptr_t)p, b = (uintptr_t)q;
+  return a < b + bytes2 && b < a + bytes;
+}
+
+m3_status m3_launch_add_rmsnorm_combine(const m3_kernel *k, int64_t n_rows, int n, int topk, const void *ey,
+                                        const float *ew, const void *esh, void *residual, const void *w, float eps,
+                                        void *y, float *y32, cudaStream_t stream, m3_err *e) {
+  if (topk < 1) return m3_errf(e, M3_INVAL, "add_rmsnorm_combine: top-k %d", topk);
+  if (!ey || !ew || !esh || !residual)
+    return m3_errf(e, M3_INVAL, "add_rmsnorm_combine: expert outputs, weights, shared output and residual are required");
+  if (((uintptr_t)ew & 3u) != 0) return m3_errf(e, M3_INVAL, "add_rmsnorm_combine: weights must be 4-byte aligned");
+  /* every CTA reads other rows of ey than the one of y it writes */
+  const size_t row = (size_t)(n > 0 ? n : 0) * 2, rows = n_rows > 0 ? (size_t)n_rows : 0;
+  if (overlaps(y, rows * row, ey, rows * (size_t)topk * row) || overlaps(y, rows * row, esh, rows * row) ||
+      overlaps(y, rows * row, residual, rows * row))
+    return m3_errf(e, M3_INVAL, "add_rmsnorm_combine: y must not overlap the expert outputs, shared output or residual");
+  return norm_common(k, 1, topk, n_rows, n, NULL, residual, w, eps, y, y32, ey, ew, esh, stream, e);
 }
 
 /* ------------------------------------------------------------------------ */

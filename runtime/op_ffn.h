@@ -32,8 +32,11 @@ m3_status m3_err_word_take(int32_t *err_word, cudaStream_t stream, int64_t *firs
 
 /* ---- Gemma RMSNorm, §2.2; templates/rmsnorm.lua ------------------------ */
 
-/* Key rmsnorm(add, f32copy, n).  Errors: M3_KEY. */
+/* Key rmsnorm(add, f32copy, combine=0, n): x read as it is.  Errors: M3_KEY. */
 m3_status m3_rmsnorm_key(int add, int f32copy, int n, m3_variant *v, m3_err *e);
+/* Key rmsnorm(add=1, f32copy, combine=topk, n): x formed from the decode MoE
+ * layer's expert outputs (m3_launch_add_rmsnorm_combine).  Errors: M3_KEY. */
+m3_status m3_rmsnorm_combine_key(int topk, int f32copy, int n, m3_variant *v, m3_err *e);
 
 /* m3_ref_rmsnorm: y = bf16(x * r * (1 + w)) per row, one CTA per row.
  * x [n_rows, n] bf16 (may alias y), w [n] bf16, y [n_rows, n] bf16;
@@ -49,6 +52,25 @@ m3_status m3_launch_rmsnorm(const m3_kernel *k, int64_t n_rows, int n, const voi
  * y); the rest as m3_launch_rmsnorm.  Errors: as m3_launch_rmsnorm. */
 m3_status m3_launch_add_rmsnorm(const m3_kernel *k, int64_t n_rows, int n, const void *x, void *residual,
                                 const void *w, float eps, void *y, float *y32, cudaStream_t stream, m3_err *e);
+
+/* The decode MoE combine (§7.2 / §12.6) and the add + RMSNorm after it
+ * (§2.3, §10.2) in one launch, one CTA per row (token): per element
+ *   x = bf16(sum_k ew[t,k] * ey[t*K+k] (fp32, top-k order) + esh[t])
+ * exactly as m3_launch_moe_combine (shared, no row map) computes it, then
+ * m3_launch_add_rmsnorm on that x - residual and y are those two launches'
+ * bit for bit (x itself is never stored).  K = topk = the kernel's combine
+ * axis (m3_rmsnorm_combine_key).  ey [n_rows * K, n] bf16 (routed pair
+ * t*K + k in row t*K + k: the decode GEMV's pair order), ew [n_rows, K] fp32
+ * (routed_scaling applied), esh [n_rows, n] bf16 the shared expert's output
+ * (m3_moe_forward_pending hands back all three); residual [n_rows, n] bf16
+ * in/out, w [n] bf16, y [n_rows, n] bf16 and y32 as m3_launch_add_rmsnorm.
+ * y must not overlap ey, esh or residual (other CTAs still read them).
+ * ey, esh, residual, w, y (and y32) 16-byte aligned when n % 8 == 0, ew
+ * 4-byte.  Errors: M3_INVAL (kernel/argument mismatch, topk < 1, n_rows >
+ * INT32_MAX, misaligned or aliased pointers), M3_CUDA. */
+m3_status m3_launch_add_rmsnorm_combine(const m3_kernel *k, int64_t n_rows, int n, int topk, const void *ey,
+                                        const float *ew, const void *esh, void *residual, const void *w, float eps,
+                                        void *y, float *y32, cudaStream_t stream, m3_err *e);
 
 /* ---- Embedding gather, §2.3; templates/embed.lua ----------------------- */
 

@@ -679,6 +679,155 @@ START_TEST(combine_every_tile) {
 END_TEST
 
 /* ------------------------------------------------------------------------ */
+/* Combine + add + RMSNorm in one launch (rmsnorm combine=K)                */
+/* ------------------------------------------------------------------------ */
+
+/* The decode MoE layer's layout (m3_moe_forward): y [N*K + N, H], pair t*K+k
+ * in row t*K+k, the shared expert's token t in row N*K + t.  The fused kernel
+ * against (a) the two launches it replaces - moe_combine (shared, no row
+ * map) into x, then add_rmsnorm - on the same inputs, bit for bit (residual,
+ * y, y32), and (b) the references: m3_ref_moe's combine loop, then
+ * m3_ref_add_rmsnorm (residual bit-exact, y within 1 bf16 ulp).  Every
+ * output is NaN-poisoned first and must come back finite. */
+static void run_norm_combine(int64_t N, int H, int K, int f32copy, const char *tile) {
+  m3_rng r = rng_for((uint64_t)N * 13 + (uint64_t)H * 3 + (uint64_t)K + (uint64_t)f32copy * 101);
+  const size_t P = (size_t)N * K, NH = (size_t)N * H;
+  m3_bf16 *y = rand_bf16(&r, (P + (size_t)N) * H, 1.0f), *res = rand_bf16(&r, NH, 1.0f);
+  m3_bf16 *wn = rand_bf16(&r, (size_t)H, 0.2f);
+  float *w = malloc(sizeof *w * P);
+  for (size_t p = 0; p < P; p++) w[p] = 2.0f * m3_rng_unif(&r); /* routed_scaling 2 included */
+  const m3_bf16 *sh = y + P * H;
+  m3_bf16 *x_ref = malloc(sizeof *x_ref * NH), *y_ref = malloc(sizeof *y_ref * NH), *res_ref = malloc(sizeof *res_ref * NH);
+  for (int64_t t = 0; t < N; t++)
+    for (int d = 0; d < H; d++) { /* m3_ref_moe's combine loop */
+      float acc = 0.0f;
+      for (int k = 0; k < K; k++) acc += w[t * K + k] * m3_bf16_to_f32(y[((size_t)t * K + k) * H + d]);
+      acc += m3_bf16_to_f32(sh[t * H + d]);
+      x_ref[t * H + d] = m3_f32_to_bf16(acc);
+    }
+  memcpy(res_ref, res, sizeof *res * NH);
+  m3_ref_add_rmsnorm(N, H, x_ref, res_ref, wn, 1e-6f, y_ref);
+
+  void *d_ey = dup(y, sizeof *y * (P + (size_t)N) * H), *d_w = dup(w, sizeof *w * P), *d_wn = dup(wn, sizeof *wn * H);
+  const void *d_sh = (const m3_bf16 *)d_ey + P * H;
+  void *d_res1 = dup(res, sizeof *res * NH), *d_res2 = dup(res, sizeof *res * NH);
+  void *d_x = dpoison(sizeof(m3_bf16) * NH), *d_o1 = dpoison(sizeof(m3_bf16) * NH), *d_o2 = dpoison(sizeof(m3_bf16) * NH);
+  float *d_y32a = f32copy ? dpoison(sizeof(float) * NH) : NULL, *d_y32b = f32copy ? dpoison(sizeof(float) * NH) : NULL;
+  m3_variant v;
+  m3_err e;
+  /* the two launches: combine, then add + norm */
+  ck_assert_int_eq(m3_combine_key(H, K, 1, 0, &v, &e), M3_OK);
+  m3_kernel *kc = kern(&v, NULL);
+  ck_assert_int_eq(m3_rmsnorm_key(1, f32copy, H, &v, &e), M3_OK);
+  m3_kernel *kn = kern(&v, tile); /* the same tile: threads order the sum of squares */
+  GPU_CHECK(m3_launch_moe_combine(kc, N, H, K, d_ey, NULL, d_w, d_sh, d_x, g_rt.stream, &e_));
+  GPU_CHECK(m3_launch_add_rmsnorm(kn, N, H, d_x, d_res1, d_wn, 1e-6f, d_o1, d_y32a, g_rt.stream, &e_));
+  /* the fused launch */
+  ck_assert_int_eq(m3_rmsnorm_combine_key(K, f32copy, H, &v, &e), M3_OK);
+  m3_kernel *kf = kern(&v, tile);
+  char ctx[1400];
+  ctx_of(kf, "rmsnorm combine", ctx, sizeof ctx);
+  snprintf(ctx + strlen(ctx), sizeof ctx - strlen(ctx), " rows=%lld", (long long)N);
+  GPU_CHECK(m3_launch_add_rmsnorm_combine(kf, N, H, K, d_ey, d_w, d_sh, d_res2, d_wn, 1e-6f, d_o2, d_y32b, g_rt.stream,
+                                          &e_));
+  sync_ok();
+  m3_bf16 *x = down(d_x, sizeof *x * NH), *o1 = down(d_o1, sizeof *o1 * NH), *o2 = down(d_o2, sizeof *o2 * NH);
+  m3_bf16 *r1 = down(d_res1, sizeof *r1 * NH), *r2 = down(d_res2, sizeof *r2 * NH);
+  for (size_t i = 0; i < NH; i++)
+    ck_assert_msg(isfinite(m3_bf16_to_f32(o2[i])) && isfinite(m3_bf16_to_f32(r2[i])),
+                  "%s: element %zu not finite (y %g, residual %g)", ctx, i, m3_bf16_to_f32(o2[i]), m3_bf16_to_f32(r2[i]));
+  expect_same(ctx, x, x_ref, sizeof *x * NH);      /* the combine launch is the reference's (combine_exact) */
+  expect_same(ctx, r2, r1, sizeof *r2 * NH);       /* fused = two launches, bit for bit */
+  expect_same(ctx, o2, o1, sizeof *o2 * NH);
+  expect_same(ctx, r2, res_ref, sizeof *r2 * NH);  /* the residual add is exact */
+  expect_bf16(ctx, o2, y_ref, NH, 1.0);            /* the norm within 1 ulp (sum of squares order) */
+  if (f32copy) {
+    float *a = down(d_y32a, sizeof(float) * NH), *b = down(d_y32b, sizeof(float) * NH);
+    expect_same(ctx, b, a, sizeof(float) * NH);
+    for (size_t i = 0; i < NH; i++)
+      ck_assert_msg(b[i] == m3_bf16_to_f32(o2[i]), "%s: y32[%zu] = %g is not float(y) = %g", ctx, i, b[i],
+                    m3_bf16_to_f32(o2[i]));
+    free(a); free(b);
+  }
+  m3_dev_free(d_ey); m3_dev_free(d_w); m3_dev_free(d_wn); m3_dev_free(d_res1); m3_dev_free(d_res2);
+  m3_dev_free(d_x); m3_dev_free(d_o1); m3_dev_free(d_o2); m3_dev_free(d_y32a); m3_dev_free(d_y32b);
+  free(y); free(res); free(wn); free(w); free(x_ref); free(y_ref); free(res_ref);
+  free(x); free(o1); free(o2); free(r1); free(r2);
+}
+
+START_TEST(norm_combine_exact) {
+  /* (rows, hidden, top-k, f32copy): decode batches 1, 5, 8 at M3's hidden
+   * and top-k, another top-k, the forward test's shape (256, all 8 of 8),
+   * odd row lengths (scalar path) */
+  static const struct { int64_t n; int h, k, f32; } C[6] = {
+      {1, 6144, 4, 0}, {5, 6144, 4, 0}, {8, 6144, 2, 1}, {1, 256, 8, 0}, {5, 100, 3, 0}, {19, 1001, 16, 1}};
+  run_norm_combine(C[_i].n, C[_i].h, C[_i].k, C[_i].f32, NULL);
+}
+END_TEST
+
+START_TEST(norm_combine_every_tile) {
+  static const struct { int h, k; } C[2] = {{6144, 4}, {100, 3}};
+  m3_variant v;
+  m3_err e;
+  ck_assert_int_eq(m3_rmsnorm_combine_key(C[_i].k, 0, C[_i].h, &v, &e), M3_OK);
+  char (*tiles)[256];
+  int n = gpu_valid_tiles(&v, &tiles);
+  ck_assert_int_gt(n, 1);
+  for (int i = 0; i < n; i++) run_norm_combine(5, C[_i].h, C[_i].k, 0, tiles[i]);
+  free(tiles);
+}
+END_TEST
+
+/* What the template and the launchers refuse, each with M3_INVAL (or the
+ * template's reason) and never a launch: combine without add, a top-k out of
+ * range, a kernel of another top-k or of the plain norm, a plain launcher
+ * given the combine kernel, misaligned or overlapping buffers. */
+START_TEST(norm_combine_rejects) {
+  m3_variant v;
+  m3_err e;
+  m3_kernel *k;
+  ck_assert_int_eq(m3_variant_parse("rmsnorm(add=0,f32copy=0,combine=4,n=256)", &v, &e), M3_OK);
+  ck_assert_int_ne(m3_rt_kernel(&g_rt, &v, NULL, &k, &e), M3_OK);
+  ck_assert_msg(strstr(e.msg, "combine needs add=1"), "%s", e.msg);
+  ck_assert_int_eq(m3_rmsnorm_combine_key(17, 0, 256, &v, &e), M3_OK);
+  ck_assert_int_ne(m3_rt_kernel(&g_rt, &v, NULL, &k, &e), M3_OK);
+  ck_assert_msg(strstr(e.msg, "top-k in [1, 16]"), "%s", e.msg);
+  const int H = 256, K = 4, N = 2;
+  void *d_ey = dzero(sizeof(m3_bf16) * (size_t)(N * K + N) * H + 16), *d_w = dzero(4 * (size_t)N * K + 4);
+  void *d_res = dzero(sizeof(m3_bf16) * (size_t)N * H), *d_wn = dzero(sizeof(m3_bf16) * H);
+  void *d_o = dzero(sizeof(m3_bf16) * (size_t)N * H), *d_x = dzero(sizeof(m3_bf16) * (size_t)N * H);
+  const void *d_sh = (const m3_bf16 *)d_ey + (size_t)N * K * H;
+  ck_assert_int_eq(m3_rmsnorm_combine_key(K, 0, H, &v, &e), M3_OK);
+  m3_kernel *kf = kern(&v, NULL);
+  ck_assert_int_eq(m3_rmsnorm_key(1, 0, H, &v, &e), M3_OK);
+  m3_kernel *kp = kern(&v, NULL);
+  const float eps = 1e-6f;
+  cudaStream_t s = g_rt.stream;
+  ck_assert_int_eq(m3_launch_add_rmsnorm_combine(kf, N, H, 2, d_ey, d_w, d_sh, d_res, d_wn, eps, d_o, NULL, s, &e),
+                   M3_INVAL); /* the kernel's top-k is 4 */
+  ck_assert_msg(strstr(e.msg, "combine=4"), "%s", e.msg);
+  ck_assert_int_eq(m3_launch_add_rmsnorm_combine(kp, N, H, K, d_ey, d_w, d_sh, d_res, d_wn, eps, d_o, NULL, s, &e),
+                   M3_INVAL); /* the plain kernel */
+  ck_assert_int_eq(m3_launch_add_rmsnorm(kf, N, H, d_x, d_res, d_wn, eps, d_o, NULL, s, &e), M3_INVAL);
+  ck_assert_int_eq(m3_launch_add_rmsnorm_combine(kf, N, H, K, (char *)d_ey + 2, d_w, d_sh, d_res, d_wn, eps, d_o, NULL,
+                                                 s, &e),
+                   M3_INVAL); /* misaligned expert rows */
+  ck_assert_int_eq(m3_launch_add_rmsnorm_combine(kf, N, H, K, d_ey, (float *)((char *)d_w + 2), d_sh, d_res, d_wn, eps,
+                                                 d_o, NULL, s, &e),
+                   M3_INVAL); /* misaligned weights */
+  ck_assert_int_eq(m3_launch_add_rmsnorm_combine(kf, N, H, K, d_ey, d_w, d_sh, d_res, d_wn, eps, d_res, NULL, s, &e),
+                   M3_INVAL); /* y is the residual */
+  ck_assert_int_eq(m3_launch_add_rmsnorm_combine(kf, N, H, K, d_ey, d_w, d_sh, d_res, d_wn, eps, (void *)d_sh, NULL, s,
+                                                 &e),
+                   M3_INVAL); /* y is the shared rows */
+  ck_assert_int_eq(m3_launch_add_rmsnorm_combine(kf, N, H, K, d_ey, d_w, NULL, d_res, d_wn, eps, d_o, NULL, s, &e),
+                   M3_INVAL); /* no shared rows */
+  sync_ok();
+  m3_dev_free(d_ey); m3_dev_free(d_w); m3_dev_free(d_res); m3_dev_free(d_wn); m3_dev_free(d_o); m3_dev_free(d_x);
+}
+END_TEST
+
+/* ------------------------------------------------------------------------ */
 /* MXFP8 dequant, GEMVs, cuBLAS                                             */
 /* ------------------------------------------------------------------------ */
 
@@ -1777,6 +1926,9 @@ static Suite *make(void) {
   tcase_add_loop_test(c[0].tc, rmsnorm_rows, 0, 12);
   tcase_add_test(c[0].tc, rmsnorm_fault23_every_site);
   tcase_add_loop_test(c[0].tc, rmsnorm_every_tile, 0, 2);
+  tcase_add_loop_test(c[0].tc, norm_combine_exact, 0, 6);
+  tcase_add_loop_test(c[0].tc, norm_combine_every_tile, 0, 2);
+  tcase_add_test(c[0].tc, norm_combine_rejects);
   tcase_add_loop_test(c[1].tc, embed_gather, 0, 4);
   tcase_add_test(c[1].tc, embed_every_tile);
   tcase_add_loop_test(c[2].tc, route_fault20, 0, 2);
