@@ -338,7 +338,8 @@ void m3_moe_ws_free(m3_moe_ws *ws);
  * M3_MOE_FUSE_COMBINE has the down GEMV also write the combine,
  * M3_MOE_FUSE_ACT the gate|up GEMV SwiGLU(gu) (m3_launch_gemv_moe_fused: the
  * same values, a launch fewer each; off by default: not faster on the H200,
- * runtime/op_ffn.c says what was measured).  Prefill: router GEMM (cuBLAS fp32 with m32, else
+ * runtime/op_ffn.c says what was measured); M3_MOE_FUSE_NORM acts only
+ * through m3_moe_forward_pending (this function always writes out).  Prefill: router GEMM (cuBLAS fp32 with m32, else
  * the GEMV in chunks of 8 tokens), route, stable group, gather, one cuBLAS
  * GEMM per expert on its contiguous rows (MXFP8 experts are dequantised into
  * scratch first), SwiGLU, combine through the inverse permutation; one sync
@@ -355,18 +356,55 @@ void m3_moe_ws_free(m3_moe_ws *ws);
 enum {
   M3_MOE_FUSE_COMBINE = 1, /* the down GEMV's epilogue writes the combine (templates/mxfp8.lua combine=1) */
   M3_MOE_FUSE_ACT = 2,     /* the gate|up GEMV's epilogue writes SwiGLU(gu) (act=swiglu) */
+  /* 4 is taken (the "xin" fusion) */
+  M3_MOE_FUSE_NORM = 8,    /* the combine is left to the next add + RMSNorm (m3_moe_forward_pending,
+                              m3_launch_add_rmsnorm_combine; templates/rmsnorm.lua combine=K) */
 };
 /* The bits that apply when M3KIT_MOE_FUSE is unset: none. */
 #define M3_MOE_FUSE_DEFAULT 0u
 
 /* The environment's M3KIT_MOE_FUSE as M3_MOE_FUSE_* bits: a comma-separated
- * list of "combine", "act"; "all" = combine,act; "0" or "none" = no bits;
- * unset or empty = M3_MOE_FUSE_DEFAULT.  Errors: M3_INVAL naming the variable
- * for an unknown name. */
+ * list of "combine", "act", "norm"; "all" = combine,act; "0" or "none" = no
+ * bits; unset or empty = M3_MOE_FUSE_DEFAULT.  Errors: M3_INVAL naming the
+ * variable for an unknown name, and for combine with norm (both would do the
+ * combine: one in the down GEMV, one in the next norm). */
 m3_status m3_moe_fuse_env(unsigned *fuse, m3_err *e);
 
 m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_moe_weights *w, m3_moe_ws *ws,
                          const void *m, const float *m32, void *out, int32_t *ids, float *wts, int path,
                          m3_err *e);
+
+/* The combine a decode MoE layer left undone (M3_MOE_FUSE_NORM): the inputs
+ * of m3_launch_add_rmsnorm_combine, device pointers into the workspace (and
+ * wts), valid until the next m3_moe_forward* call on the same workspace. */
+typedef struct m3_moe_pending {
+  int active;         /* 1: the combine was not launched and out was not written; 0: nothing pending */
+  int topk;           /* K */
+  int64_t n_tokens;
+  const void *y;      /* [n_tokens * K, hidden] bf16: pair t*K + k's routed expert output in row t*K + k */
+  const float *w;     /* [n_tokens, K] fp32 routing weights (the wts argument, or the workspace's) */
+  const void *shared; /* [n_tokens, hidden] bf16: the shared expert's output of token t in row t */
+} m3_moe_pending;
+
+/* m3_moe_forward, which with pend not NULL, ws->fuse & M3_MOE_FUSE_NORM, the
+ * decode path and a shared expert that rides along in the routed GEMVs (as
+ * wide as a routed expert; MXFP8 or bf16) and no combine epilogue
+ * (M3_MOE_FUSE_COMBINE wins where a caller set both bits in ws->fuse) skips
+ * the combine launch: out is not written and *pend describes the combine
+ * (active = 1), which the caller then runs inside the add + RMSNorm that
+ * follows (m3_launch_add_rmsnorm_combine: the same out values, never
+ * stored).  Otherwise out is written as by m3_moe_forward and pend->active =
+ * 0.  pend NULL is m3_moe_forward.  Errors: as m3_moe_forward. */
+m3_status m3_moe_forward_pending(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_moe_weights *w,
+                                 m3_moe_ws *ws, const void *m, const float *m32, void *out, int32_t *ids, float *wts,
+                                 int path, m3_moe_pending *pend, m3_err *e);
+
+/* What m3_moe_forward_pending(..., pend) will leave in *pend for these
+ * arguments, without launching anything: for a caller that must know it
+ * when the layer itself is not run (forward.c's per-op graph breakdown
+ * captures the next norm alone).  Errors: M3_INVAL (shapes, as
+ * m3_moe_forward). */
+m3_status m3_moe_pending_plan(const m3_moe_args *a, const m3_moe_weights *w, const m3_moe_ws *ws, float *wts,
+                              int path, m3_moe_pending *pend, m3_err *e);
 
 #endif

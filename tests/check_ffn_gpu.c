@@ -1509,7 +1509,12 @@ END_TEST
  * non-zeros j/8), so GPU and reference route identically and only the GEMM
  * summation order differs.  A shared expert as wide as the routed ones runs
  * inside the routed GEMVs on the decode path; Is = 128 takes the separate one. */
-static void run_moe_rt(m3_rt *rt, int e4m3, int64_t N, int path, int Is) {
+/* pending: through m3_moe_forward_pending; *deferred (may be NULL) = whether
+ * the layer left its combine pending (M3KIT_MOE_FUSE=norm).  Then out must
+ * still hold its poison, and the pending combine is run by the fused
+ * combine + add + norm kernel on a zero residual (r = x exactly) and its
+ * residual compared with the reference's out as out would be. */
+static void run_moe_rt_pend(m3_rt *rt, int e4m3, int64_t N, int path, int Is, int pending, int *deferred) {
   const int H = 512, I = 256, E = 16, K = 4;
   m3_rng r = rng_for((uint64_t)N * 11 + (uint64_t)e4m3 * 3 + (uint64_t)path);
   m3_bf16 *m = malloc(sizeof *m * (size_t)N * H);
@@ -1585,12 +1590,44 @@ static void run_moe_rt(m3_rt *rt, int e4m3, int64_t N, int path, int Is) {
   for (int64_t i = 0; i < N * H; i++) m32[i] = m3_bf16_to_f32(m[i]);
   void *d_m = dup(m, sizeof *m * (size_t)N * H), *d_m32 = dup(m32, sizeof *m32 * (size_t)N * H);
   void *d_out = dpoison(sizeof(m3_bf16) * (size_t)N * H), *d_ids = dpoison(4 * (size_t)N * K), *d_w = dpoison(4 * (size_t)N * K);
-  GPU_CHECK(m3_moe_forward(rt, &gm, &a, &mw, &ws, d_m, path == 2 ? d_m32 : NULL, d_out, d_ids, d_w, path, &e_));
+  m3_moe_pending pend, plan;
+  memset(&pend, 0, sizeof pend);
+  if (pending) GPU_CHECK(m3_moe_pending_plan(&a, &mw, &ws, d_w, path, &plan, &e_));
+  GPU_CHECK(m3_moe_forward_pending(rt, &gm, &a, &mw, &ws, d_m, path == 2 ? d_m32 : NULL, d_out, d_ids, d_w, path,
+                                   pending ? &pend : NULL, &e_));
+  if (deferred) *deferred = pend.active;
+  if (pending) /* the plan foretells what the layer left */
+    ck_assert(plan.active == pend.active && plan.topk == pend.topk && plan.n_tokens == pend.n_tokens &&
+              plan.y == pend.y && plan.w == pend.w && plan.shared == pend.shared);
+  void *d_res = NULL;
+  if (pend.active) {
+    ck_assert(pend.topk == K && pend.n_tokens == N && pend.w == d_w && pend.y && pend.shared);
+    /* rt's stream, as below */
+    ck_assert_int_eq(cudaStreamSynchronize(rt->stream), cudaSuccess);
+    m3_bf16 *untouched = down(d_out, sizeof(m3_bf16) * (size_t)N * H);
+    for (int64_t i = 0; i < N * H; i++)
+      ck_assert_msg(untouched[i] == 0xffff, "moe N=%lld: out[%lld] written (%#x) with the combine pending", (long long)N,
+                    (long long)i, untouched[i]);
+    free(untouched);
+    m3_variant v;
+    m3_err e2;
+    ck_assert_int_eq(m3_rmsnorm_combine_key(K, 0, H, &v, &e2), M3_OK);
+    m3_kernel *kf;
+    GPU_CHECK(m3_rt_kernel(rt, &v, NULL, &kf, &e_));
+    d_res = dzero(sizeof(m3_bf16) * (size_t)N * H);
+    void *d_wn = dzero(sizeof(m3_bf16) * H), *d_o = dpoison(sizeof(m3_bf16) * (size_t)N * H);
+    GPU_CHECK(m3_launch_add_rmsnorm_combine(kf, N, H, K, pend.y, pend.w, pend.shared, d_res, d_wn, 1e-6f, d_o, NULL,
+                                            rt->stream, &e_));
+    ck_assert_int_eq(cudaStreamSynchronize(rt->stream), cudaSuccess);
+    m3_dev_free(d_wn);
+    m3_dev_free(d_o);
+  }
   /* rt's stream, which need not be g_rt's (moe_uses_tuned_record): the copies
    * below run on the legacy stream and do not wait for it (device runs 44 and
    * 46 read out before the last kernel had written it) */
   ck_assert_int_eq(cudaStreamSynchronize(rt->stream), cudaSuccess);
-  m3_bf16 *out = down(d_out, sizeof *out * (size_t)N * H);
+  m3_bf16 *out = down(d_res ? d_res : d_out, sizeof *out * (size_t)N * H);
+  m3_dev_free(d_res);
   int32_t *ids = down(d_ids, 4 * (size_t)N * K);
   float *wts = down(d_w, 4 * (size_t)N * K);
   char ctx[160];
@@ -1616,6 +1653,9 @@ static void run_moe_rt(m3_rt *rt, int e4m3, int64_t N, int path, int Is) {
   free(m); free(m32); free(wg); free(ref); free(ids_ref); free(w_ref); free(out); free(ids); free(wts);
 }
 
+static void run_moe_rt(m3_rt *rt, int e4m3, int64_t N, int path, int Is) {
+  run_moe_rt_pend(rt, e4m3, N, path, Is, 0, NULL);
+}
 static void run_moe(int e4m3, int64_t N, int path, int Is) { run_moe_rt(&g_rt, e4m3, N, path, Is); }
 
 /* A record in rt's tuning DB: key v (canonicalised here) at tokens=`tokens`
@@ -1701,38 +1741,74 @@ START_TEST(moe_lead_tiles_in_the_layer) {
 }
 END_TEST
 
-/* m3_moe_forward's opt-in epilogues (M3KIT_MOE_FUSE): the combine in the
+/* m3_moe_forward's opt-in fusions (M3KIT_MOE_FUSE): the combine in the
  * down GEMV, and also SwiGLU in the gate|up GEMV; MXFP8 decode (the only
- * path that fuses) at 1 and 5 tokens, against m3_ref_moe as the plain path. */
+ * path that fuses) at 1 and 5 tokens, against m3_ref_moe as the plain path.
+ * "norm" (_i = 2): m3_moe_forward_pending leaves the combine pending on the
+ * decode path with the shared expert riding along (MXFP8 and bf16), out
+ * untouched, and the fused combine + add + norm kernel finishes it (against
+ * m3_ref_moe); a narrower shared expert, the prefill path and plain
+ * m3_moe_forward (no pend) launch the combine as before. */
 START_TEST(moe_fused_paths) {
-  static const char *const modes[2] = {"combine", "all"};
+  static const char *const modes[3] = {"combine", "all", "norm"};
   m3_err e;
   unsigned fuse;
-  static const char *const bad[3] = {"1", "combine,", "combine,bogus"}; /* not modes: errors naming the variable */
-  for (int b = 0; b < 3; b++) {
+  const int k0 = g_rt.n_kernels; /* the runner does not fork: g_rt's kernels of the earlier tests stay */
+  /* not modes: errors naming the variable; combine and norm both do the combine */
+  static const char *const bad[6] = {"1", "combine,", "combine,bogus", "combine,norm", "norm,all", "norm,act,combine"};
+  for (int b = 0; b < 6; b++) {
     ck_assert_int_eq(setenv("M3KIT_MOE_FUSE", bad[b], 1), 0);
     ck_assert_int_eq(m3_moe_fuse_env(&fuse, &e), M3_INVAL);
     ck_assert_msg(strstr(e.msg, "M3KIT_MOE_FUSE=") && strstr(e.msg, bad[b]), "%s", e.msg);
+    if (b >= 3) ck_assert_msg(strstr(e.msg, "combine") && strstr(e.msg, "norm"), "%s", e.msg);
   }
   ck_assert_int_eq(setenv("M3KIT_MOE_FUSE", "act,combine", 1), 0); /* a list, any order */
   ck_assert_int_eq(m3_moe_fuse_env(&fuse, &e), M3_OK);
   ck_assert_uint_eq(fuse, M3_MOE_FUSE_COMBINE | M3_MOE_FUSE_ACT);
+  ck_assert_int_eq(setenv("M3KIT_MOE_FUSE", "norm,act", 1), 0);
+  ck_assert_int_eq(m3_moe_fuse_env(&fuse, &e), M3_OK);
+  ck_assert_uint_eq(fuse, M3_MOE_FUSE_NORM | M3_MOE_FUSE_ACT);
   ck_assert_int_eq(setenv("M3KIT_MOE_FUSE", modes[_i], 1), 0);
   ck_assert_int_eq(m3_moe_fuse_env(&fuse, &e), M3_OK);
-  ck_assert((fuse & M3_MOE_FUSE_COMBINE) && !!(fuse & M3_MOE_FUSE_ACT) == (_i == 1));
-  run_moe(1, 1, 1, 256);
-  run_moe(1, 5, 1, 256);
-  run_moe(1, 3, 1, 128); /* a narrower shared expert: not fused, the plain launches */
+  if (_i < 2) {
+    ck_assert((fuse & M3_MOE_FUSE_COMBINE) && !!(fuse & M3_MOE_FUSE_ACT) == (_i == 1));
+    run_moe(1, 1, 1, 256);
+    run_moe(1, 5, 1, 256);
+    run_moe(1, 3, 1, 128); /* a narrower shared expert: not fused, the plain launches */
+  } else {
+    ck_assert_uint_eq(fuse, M3_MOE_FUSE_NORM);
+    static const struct { int e4m3; int64_t n; int path, Is, pending, deferred; } C[7] = {
+        {1, 1, 1, 256, 1, 1}, {1, 5, 1, 256, 1, 1}, {0, 5, 1, 256, 1, 1}, /* decode, riding along: pending */
+        {1, 3, 1, 128, 1, 0},                                              /* narrower shared expert */
+        {1, 5, 2, 256, 1, 0}, {0, 5, 2, 256, 1, 0},                        /* prefill */
+        {1, 5, 1, 256, 0, 0}};                                             /* m3_moe_forward: no pend */
+    for (int c = 0; c < 7; c++) {
+      int deferred = -1;
+      run_moe_rt_pend(&g_rt, C[c].e4m3, C[c].n, C[c].path, C[c].Is, C[c].pending, &deferred);
+      ck_assert_msg(deferred == C[c].deferred, "M3KIT_MOE_FUSE=norm case %d: combine pending %d, expected %d", c,
+                    deferred, C[c].deferred);
+    }
+  }
   ck_assert_int_eq(unsetenv("M3KIT_MOE_FUSE"), 0);
-  int ran_comb = 0, ran_act = 0; /* the fused kernels are what ran */
-  for (int i = 0; i < g_rt.n_kernels; i++) {
+  /* the fused kernels are what ran: "combine" and "all" (in this order) may
+   * find the epilogue kernels of the earlier iterations; "norm" must add
+   * none, and its combine + norm key (hidden 512) is made by no other test */
+  int ran_comb = 0, ran_act = 0, ran_norm = 0;
+  for (int i = _i == 2 ? k0 : 0; i < g_rt.n_kernels; i++) {
     char key[M3_KEY_MAX];
-    m3_variant_print(&g_rt.kernels[i]->key, key, sizeof key);
-    ran_comb |= strstr(key, "combine=1") != NULL;
+    m3_variant_print_axes(&g_rt.kernels[i]->key, key, sizeof key);
+    const int norm = !strcmp(g_rt.kernels[i]->key.op, "rmsnorm");
+    ran_comb |= !norm && strstr(key, "combine=1") != NULL;
     ran_act |= strstr(key, "act=swiglu") != NULL;
   }
-  ck_assert_msg(ran_comb && ran_act == (_i == 1), "M3KIT_MOE_FUSE=%s: combine kernel %d, SwiGLU epilogue kernel %d",
-                modes[_i], ran_comb, ran_act);
+  for (int i = 0; i < g_rt.n_kernels; i++) {
+    char key[M3_KEY_MAX];
+    m3_variant_print_axes(&g_rt.kernels[i]->key, key, sizeof key);
+    ran_norm |= !strcmp(key, "rmsnorm(add=1,f32copy=0,combine=4,n=512)");
+  }
+  ck_assert_msg(ran_comb == (_i < 2) && ran_act == (_i == 1) && ran_norm == (_i == 2),
+                "M3KIT_MOE_FUSE=%s: combine epilogue kernel %d, SwiGLU epilogue kernel %d, combine+norm kernel %d",
+                modes[_i], ran_comb, ran_act, ran_norm);
 }
 END_TEST
 
@@ -1960,7 +2036,7 @@ static Suite *make(void) {
   tcase_add_loop_test(c[7].tc, moe_end_to_end, 0, 10);
   tcase_add_test(c[7].tc, moe_uses_tuned_record);
   tcase_add_test(c[7].tc, moe_lead_tiles_in_the_layer);
-  tcase_add_loop_test(c[7].tc, moe_fused_paths, 0, 2);
+  tcase_add_loop_test(c[7].tc, moe_fused_paths, 0, 3);
   tcase_add_test(c[8].tc, greedy_matches_reference);
   tcase_add_loop_test(c[8].tc, top_p_matches_reference, 0, 5);
   tcase_add_test(c[8].tc, sample_every_tile);
