@@ -72,6 +72,7 @@ struct m3_forward {
   void *attn_ws, *idx_ws;
   size_t attn_ws_bytes, idx_ws_bytes;
   m3_moe_ws moe_ws;
+  m3_moe_pending pend;          /* the combine the last MoE layer left to the next add_norm (moe()) */
   m3_moe_weights *moe_w;        /* [L] (MoE layers) */
   void **tabs;                  /* device pointer tables of the MoE layers, one allocation */
   const void **htabs;           /* host copies */
@@ -247,15 +248,31 @@ static m3_status attention(m3_forward *f, const step *st, int l, int sparse, m3_
   return tp_sum(f, st, l, e);
 }
 
-/* r += x; out = RMSNorm(r, w) (the fused add + norm, §2.3, §10.2). */
+/* r += x; out = RMSNorm(r, w) (the fused add + norm, §2.3, §10.2).  After
+ * a MoE layer that left its combine pending (moe(), M3KIT_MOE_FUSE=norm), x
+ * is that combine, formed inside the same launch (§12.6; the same r and out
+ * bit for bit) and never stored: f->x keeps the previous sublayer's output. */
 static m3_status add_norm(m3_forward *f, const step *st, int l, const m3_bf16 *w, m3_bf16 *out, float *out32,
                           const char *what, m3_err *e) {
   const m3_config *c = &f->m->cfg;
   m3_variant v;
   m3_kernel *k;
-  M3_TRY(m3_rmsnorm_key(1, out32 != NULL, c->hidden_size, &v, e));
-  M3_TRY(kern(f, &v, st->n, 0, &k, e));
-  OP(what, m3_launch_add_rmsnorm(k, st->n, c->hidden_size, f->x, f->r, w, (float)c->rms_norm_eps, out, out32, f->s, e));
+  const m3_moe_pending p = f->pend;
+  f->pend.active = 0; /* consumed here even when a breakdown capture leaves this op out */
+  if (p.active) {
+    if (out32 || p.n_tokens != st->n)
+      return m3_errf(e, M3_INVAL, "forward: layer %d: %s cannot take the MoE combine left pending (%" PRId64
+                     " tokens, f32 copy %d)", l, what, p.n_tokens, out32 != NULL);
+    M3_TRY(m3_rmsnorm_combine_key(p.topk, 0, c->hidden_size, &v, e));
+    M3_TRY(kern(f, &v, st->n, 0, &k, e));
+    OP(what, m3_launch_add_rmsnorm_combine(k, st->n, c->hidden_size, p.topk, p.y, p.w, p.shared, f->r, w,
+                                           (float)c->rms_norm_eps, out, NULL, f->s, e));
+  } else {
+    M3_TRY(m3_rmsnorm_key(1, out32 != NULL, c->hidden_size, &v, e));
+    M3_TRY(kern(f, &v, st->n, 0, &k, e));
+    OP(what, m3_launch_add_rmsnorm(k, st->n, c->hidden_size, f->x, f->r, w, (float)c->rms_norm_eps, out, out32, f->s,
+                                   e));
+  }
   return check_out(f, l, what, out, (int64_t)st->n * c->hidden_size, DT_BF16, e);
 }
 
@@ -275,7 +292,6 @@ static m3_status dense_mlp(m3_forward *f, const step *st, int l, m3_err *e) {
   return check_out(f, l, "mlp_down", f->x, (int64_t)st->n * c->hidden_size, DT_BF16, e);
 }
 
-/* MoE with the shared expert (§7.2): router, top-k, experts, combine. */
 /* The MoE op's launches as sub-ops of their own ("moe/route", ...), so that
  * a graph breakdown can time each alone and the step without it. */
 static unsigned moe_stages(m3_forward *f) {
@@ -286,6 +302,19 @@ static unsigned moe_stages(m3_forward *f) {
   return bits;
 }
 
+/* MoE with the shared expert (§7.2): router, top-k, experts, combine.
+ * M3KIT_MOE_FUSE=norm (f->moe_ws.fuse): a decode step's layer leaves the
+ * combine to the add_norm that follows it ("input_norm": the next layer's
+ * input norm or the final norm), one launch a layer fewer; f->x is then not
+ * written.  Not where something reads x in between: the numerics check
+ * (check_out of "moe"), tensor parallelism (the all-reduce of x, tp_sum), nor
+ * in prefill chunks (decode steps only).  Timing tables and the graph
+ * breakdown then count the combine under "input_norm", no longer under
+ * "moe".  What is pending is planned apart from the layer's launches, so a
+ * breakdown capture of "input_norm" alone (the layer left out) still builds
+ * the fused launch, over the workspace's rows of the last step - its
+ * values are as stale as every other op's inputs in such a capture, its
+ * pointers are the real ones. */
 static m3_status moe(m3_forward *f, const step *st, int l, m3_err *e) {
   const m3_config *c = &f->m->cfg;
   (void)op_wanted(f, "moe"); /* noted before its sub-ops, for the breakdown's order */
@@ -293,8 +322,13 @@ static m3_status moe(m3_forward *f, const step *st, int l, m3_err *e) {
   m3_moe_args ma = {.n_tokens = st->n, .hidden = c->hidden_size, .n_experts = c->num_local_experts,
                     .topk = c->num_experts_per_tok, .renormalize = 1, .routed_scaling = (float)c->routed_scaling_factor,
                     .alpha = (float)c->swiglu_alpha, .limit = (float)c->swiglu_limit, .beta = (float)c->swiglu_beta};
-  OP("moe", m3_moe_forward(f->rt, &f->g, &ma, &f->moe_w[l], &f->moe_ws, f->mb, st->gemv ? NULL : f->m32, f->x, NULL,
-                           NULL, st->gemv ? 1 : 2, e));
+  const int path = st->gemv ? 1 : 2, defer = st->decode && !f->check && !f->tp;
+  m3_moe_pending *pend = defer ? &f->pend : NULL;
+  memset(&f->pend, 0, sizeof f->pend);
+  if (pend) M3_TRY(m3_moe_pending_plan(&ma, &f->moe_w[l], &f->moe_ws, NULL, path, pend, e));
+  OP("moe", m3_moe_forward_pending(f->rt, &f->g, &ma, &f->moe_w[l], &f->moe_ws, f->mb, st->gemv ? NULL : f->m32, f->x,
+                                   NULL, NULL, path, pend, e));
+  if (f->pend.active) return M3_OK; /* x is not written (and f->check is off) */
   return check_out(f, l, "moe", f->x, (int64_t)st->n * c->hidden_size, DT_BF16, e);
 }
 
@@ -336,6 +370,7 @@ static m3_status forward_body(m3_forward *f, const step *st, int logit_row0, m3_
   const m3_config *c = &m->cfg;
   m3_variant v;
   m3_kernel *k;
+  f->pend.active = 0; /* never a combine left over from a step that failed half way */
   M3_TRY(m3_embed_key(c->hidden_size, &v, e));
   M3_TRY(kern(f, &v, st->n, 0, &k, e));
   OP("embed", m3_launch_embed(k, st->n, c->hidden_size, c->vocab_size, f->d_ids, m->embed, f->r, f->d_err, f->s, e));

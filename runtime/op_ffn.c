@@ -58,36 +58,72 @@ m3_status m3_err_word_take(int32_t *err_word, cudaStream_t stream, int64_t *firs
 /* RMSNorm                                                                  */
 /* ------------------------------------------------------------------------ */
 
-m3_status m3_rmsnorm_key(int add, int f32copy, int n, m3_variant *v, m3_err *e) {
+static m3_status norm_key(int add, int f32copy, int combine, int n, m3_variant *v, m3_err *e) {
   char k[M3_KEY_MAX];
-  snprintf(k, sizeof k, "rmsnorm(add=%d,f32copy=%d,n=%d)", add ? 1 : 0, f32copy ? 1 : 0, n);
+  snprintf(k, sizeof k, "rmsnorm(add=%d,f32copy=%d,combine=%d,n=%d)", add ? 1 : 0, f32copy ? 1 : 0, combine, n);
   return m3_variant_parse(k, v, e);
 }
 
-static m3_status norm_common(const m3_kernel *k, int add, int64_t n_rows, int n, const void *x, void *residual,
-                             const void *w, float eps, void *y, float *y32, cudaStream_t s, m3_err *e) {
-  const char *what = add ? "add_rmsnorm" : "rmsnorm";
+m3_status m3_rmsnorm_key(int add, int f32copy, int n, m3_variant *v, m3_err *e) {
+  return norm_key(add, f32copy, 0, n, v, e);
+}
+
+m3_status m3_rmsnorm_combine_key(int topk, int f32copy, int n, m3_variant *v, m3_err *e) {
+  return norm_key(1, f32copy, topk, n, v, e);
+}
+
+/* The three launchers' checks and launch.  combine = 0: x as it is;
+ * combine = K: ey/ew/esh instead of x, the combine kernel's 3 parameters
+ * after the plain kernel's 7 (templates/rmsnorm.lua).  One argument array
+ * serves both: a launch reads as many as the kernel declares (CUDA, and the
+ * emulator from the kernel's signature). */
+static m3_status norm_common(const m3_kernel *k, int add, int combine, int64_t n_rows, int n, const void *x,
+                             void *residual, const void *w, float eps, void *y, float *y32, const void *ey,
+                             const float *ew, const void *esh, cudaStream_t s, m3_err *e) {
+  const char *what = combine ? "add_rmsnorm_combine" : add ? "add_rmsnorm" : "rmsnorm";
   M3_TRY(want_axis(k, "add", add, what, e));
+  M3_TRY(want_axis(k, "combine", combine, what, e));
   M3_TRY(want_axis(k, "n", n, what, e));
   M3_TRY(want_axis(k, "f32copy", y32 != NULL, what, e));
   if (n_rows < 0 || n_rows > INT32_MAX) return m3_errf(e, M3_INVAL, "%s: %" PRId64 " rows", what, n_rows);
-  if (n % 8 == 0 && (misaligned(x) || misaligned(y) || misaligned(w) || (add && misaligned(residual)) ||
-                     (y32 && misaligned(y32))))
+  if (n % 8 == 0 && ((!combine && misaligned(x)) || misaligned(y) || misaligned(w) || (add && misaligned(residual)) ||
+                     (y32 && misaligned(y32)) || (combine && (misaligned(ey) || misaligned(esh)))))
     return m3_errf(e, M3_INVAL, "%s: pointers must be 16-byte aligned (vector path)", what);
   long long rows = n_rows;
-  void *args[] = {&x, &residual, &w, &y, &y32, &rows, &eps};
+  void *args[] = {&x, &residual, &w, &y, &y32, &rows, &eps, &ey, &ew, &esh};
   return launch(k, (uint64_t)n_rows, 1, s, args, e);
 }
 
 m3_status m3_launch_rmsnorm(const m3_kernel *k, int64_t n_rows, int n, const void *x, const void *w, float eps,
                             void *y, float *y32, cudaStream_t stream, m3_err *e) {
-  return norm_common(k, 0, n_rows, n, x, NULL, w, eps, y, y32, stream, e);
+  return norm_common(k, 0, 0, n_rows, n, x, NULL, w, eps, y, y32, NULL, NULL, NULL, stream, e);
 }
 
 m3_status m3_launch_add_rmsnorm(const m3_kernel *k, int64_t n_rows, int n, const void *x, void *residual,
                                 const void *w, float eps, void *y, float *y32, cudaStream_t stream, m3_err *e) {
   if (residual == y) return m3_errf(e, M3_INVAL, "add_rmsnorm: y must not alias residual");
-  return norm_common(k, 1, n_rows, n, x, residual, w, eps, y, y32, stream, e);
+  return norm_common(k, 1, 0, n_rows, n, x, residual, w, eps, y, y32, NULL, NULL, NULL, stream, e);
+}
+
+/* [p, p + bytes) and [q, q + bytes2) overlap */
+static int overlaps(const void *p, size_t bytes, const void *q, size_t bytes2) {
+  const uintptr_t a = (uintptr_t)p, b = (uintptr_t)q;
+  return a < b + bytes2 && b < a + bytes;
+}
+
+m3_status m3_launch_add_rmsnorm_combine(const m3_kernel *k, int64_t n_rows, int n, int topk, const void *ey,
+                                        const float *ew, const void *esh, void *residual, const void *w, float eps,
+                                        void *y, float *y32, cudaStream_t stream, m3_err *e) {
+  if (topk < 1) return m3_errf(e, M3_INVAL, "add_rmsnorm_combine: top-k %d", topk);
+  if (!ey || !ew || !esh || !residual)
+    return m3_errf(e, M3_INVAL, "add_rmsnorm_combine: expert outputs, weights, shared output and residual are required");
+  if (((uintptr_t)ew & 3u) != 0) return m3_errf(e, M3_INVAL, "add_rmsnorm_combine: weights must be 4-byte aligned");
+  /* every CTA reads other rows of ey than the one of y it writes */
+  const size_t row = (size_t)(n > 0 ? n : 0) * 2, rows = n_rows > 0 ? (size_t)n_rows : 0;
+  if (overlaps(y, rows * row, ey, rows * (size_t)topk * row) || overlaps(y, rows * row, esh, rows * row) ||
+      overlaps(y, rows * row, residual, rows * row))
+    return m3_errf(e, M3_INVAL, "add_rmsnorm_combine: y must not overlap the expert outputs, shared output or residual");
+  return norm_common(k, 1, topk, n_rows, n, NULL, residual, w, eps, y, y32, ey, ew, esh, stream, e);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -709,8 +745,13 @@ m3_status m3_moe_fuse_env(unsigned *fuse, m3_err *e) {
   static const struct {
     const char *name;
     unsigned bits;
-  } names[] = {{"0", 0}, {"none", 0}, {"combine", M3_MOE_FUSE_COMBINE}, {"act", M3_MOE_FUSE_ACT},
-               {"all", M3_MOE_FUSE_COMBINE | M3_MOE_FUSE_ACT}, {"route", M3_MOE_FUSE_ROUTE}};
+  } names[] = {{"0", 0},
+               {"none", 0},
+               {"combine", M3_MOE_FUSE_COMBINE},
+               {"act", M3_MOE_FUSE_ACT},
+               {"norm", M3_MOE_FUSE_NORM},
+               {"route", M3_MOE_FUSE_ROUTE},
+               {"all", M3_MOE_FUSE_COMBINE | M3_MOE_FUSE_ACT}};
   const char *v = getenv("M3KIT_MOE_FUSE");
   *fuse = M3_MOE_FUSE_DEFAULT;
   if (!v || !*v) return M3_OK;
@@ -720,26 +761,100 @@ m3_status m3_moe_fuse_env(unsigned *fuse, m3_err *e) {
     size_t i = 0;
     while (i < sizeof names / sizeof names[0] && (strlen(names[i].name) != len || strncmp(p, names[i].name, len))) i++;
     if (i == sizeof names / sizeof names[0] || (p[len] == ',' && !p[len + 1]))
-      return m3_errf(e, M3_INVAL, "M3KIT_MOE_FUSE=%s: expected a comma-separated list of combine, act, route (or all, none)",
-                     v);
+      return m3_errf(e, M3_INVAL,
+                     "M3KIT_MOE_FUSE=%s: expected a comma-separated list of combine, act, route, norm (or all, none)", v);
     bits |= names[i].bits;
     p += len;
     if (*p == ',') p++;
   }
+  /* Both move the same combine, into the down GEMV or into the next norm:
+   * asked for together, one would silently lose. */
+  if ((bits & M3_MOE_FUSE_COMBINE) && (bits & M3_MOE_FUSE_NORM))
+    return m3_errf(e, M3_INVAL,
+                   "M3KIT_MOE_FUSE=%s: combine (in the down GEMV) and norm (in the next add+norm) both do the MoE "
+                   "combine; name one of them (all includes combine)",
+                   v);
   *fuse = bits;
+  return M3_OK;
+}
+
+/* The decode path's choices, one place for m3_moe_forward_pending and
+ * m3_moe_pending_plan.  ns: tokens of a shared expert riding along as more
+ * pairs of the routed GEMVs (as wide as the routed ones; rows P .. P+n-1 of
+ * their outputs), else 0.  fused: the down GEMV's combine epilogue (MXFP8
+ * only).  defer: the combine left to the caller's next add + norm
+ * (M3_MOE_FUSE_NORM, only where the caller can take it: pend). */
+typedef struct moe_plan { int decode; int64_t ns; int fused, fuse_act, defer; } moe_plan;
+
+static m3_status moe_plan_of(const m3_moe_args *a, const m3_moe_weights *w, const m3_moe_ws *ws, int path,
+                             int can_defer, moe_plan *p, m3_err *e) {
+  M3_TRY(moe_shape_check(a, w, e));
+  const int64_t n = a->n_tokens, I = w->inter, Is = w->shared_inter;
+  if (n < 0 || n > ws->max_tokens)
+    return m3_errf(e, M3_INVAL, "moe: %" PRId64 " tokens, workspace holds %" PRId64, n, ws->max_tokens);
+  p->decode = path == 1 || (path == 0 && n <= 8);
+  /* Decode: a shared expert as wide as the routed ones rides along as n
+   * more pairs of the routed GEMVs and SwiGLU (below); otherwise it has a
+   * SwiGLU launch of its own, n rows. */
+  p->ns = p->decode && Is && Is == I ? n : 0;
+  /* ... and with MXFP8 experts, on request (M3KIT_MOE_FUSE), the down GEMV
+   * then ends with the combine (templates/mxfp8.lua combine=1; "combine" or
+   * "all") and the gate|up GEMV with SwiGLU (act=swiglu; "all"): one launch a
+   * layer fewer each.  Off by default: on the H200 the combine epilogue left
+   * TPOT at 8K 0.05 ms higher (device run 47: 10.05-10.09 against
+   * 10.01-10.04 ms), on an H100 0.07-0.12 ms lower (runs 45, 46); the SwiGLU
+   * epilogue cost 0.1-0.16 ms a step on the H100 (its 1920 CTAs' fences). */
+  p->fused = p->ns && w->e4m3 && (ws->fuse & M3_MOE_FUSE_COMBINE);
+  p->fuse_act = p->ns && w->e4m3 && I % 64 == 0 && (ws->fuse & M3_MOE_FUSE_ACT);
+  /* "norm": the combine moves into the caller's next add + RMSNorm instead
+   * (templates/rmsnorm.lua combine=K), which reads y in the decode GEMV's
+   * pair order with the shared rows after them - the layout ns gives, for
+   * bf16 experts as well; off by default until a GPU A/B decides. */
+  p->defer = can_defer && p->ns && !p->fused && (ws->fuse & M3_MOE_FUSE_NORM);
+  return M3_OK;
+}
+
+static void pending_of(const moe_plan *p, const m3_moe_args *a, const moe_bufs *b, const float *wts,
+                       m3_moe_pending *pend) {
+  memset(pend, 0, sizeof *pend);
+  if (!p->defer) return;
+  const int64_t P = (int64_t)a->n_tokens * a->topk;
+  pend->active = 1;
+  pend->topk = a->topk;
+  pend->n_tokens = a->n_tokens;
+  pend->y = b->y;
+  pend->w = wts ? wts : b->wts;
+  pend->shared = b->y + P * a->hidden;
+}
+
+m3_status m3_moe_pending_plan(const m3_moe_args *a, const m3_moe_weights *w, const m3_moe_ws *ws, float *wts,
+                              int path, m3_moe_pending *pend, m3_err *e) {
+  memset(pend, 0, sizeof *pend);
+  moe_plan p;
+  M3_TRY(moe_plan_of(a, w, ws, path, 1, &p, e));
+  if (!a->n_tokens) return M3_OK; /* nothing runs, nothing pending */
+  moe_bufs b;
+  carve(&b, ws->mem, a, w, ws->max_tokens);
+  pending_of(&p, a, &b, wts, pend);
   return M3_OK;
 }
 
 m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_moe_weights *w, m3_moe_ws *ws,
                          const void *m, const float *m32, void *out, int32_t *ids, float *wts, int path,
                          m3_err *e) {
-  M3_TRY(moe_shape_check(a, w, e));
+  return m3_moe_forward_pending(rt, g, a, w, ws, m, m32, out, ids, wts, path, NULL, e);
+}
+
+m3_status m3_moe_forward_pending(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_moe_weights *w,
+                                 m3_moe_ws *ws, const void *m, const float *m32, void *out, int32_t *ids, float *wts,
+                                 int path, m3_moe_pending *pend, m3_err *e) {
+  if (pend) memset(pend, 0, sizeof *pend);
+  moe_plan pl;
+  M3_TRY(moe_plan_of(a, w, ws, path, pend != NULL, &pl, e));
   const int64_t n = a->n_tokens, E = a->n_experts, K = a->topk, H = a->hidden, I = w->inter, Is = w->shared_inter;
   const int64_t P = n * K;
-  if (n < 0 || n > ws->max_tokens)
-    return m3_errf(e, M3_INVAL, "moe: %" PRId64 " tokens, workspace holds %" PRId64, n, ws->max_tokens);
   if (!n) return M3_OK;
-  const int decode = path == 1 || (path == 0 && n <= 8);
+  const int decode = pl.decode;
   cudaStream_t s = g->stream;
   const int wf = w->e4m3 ? M3_GEMV_E4M3 : M3_GEMV_BF16;
   moe_bufs b;
@@ -779,19 +894,8 @@ m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_m
     STAGE(M3_MOE_STAGE_ROUTE, m3_launch_route(k, &ra, b.logits, w->bias, ids, wts, s, e));
   }
 
-  /* Decode: a shared expert as wide as the routed ones rides along as n
-   * more pairs of the routed GEMVs and SwiGLU (below); otherwise it has a
-   * SwiGLU launch of its own, n rows. */
-  const int64_t ns = decode && Is && Is == I ? n : 0;
-  /* ... and with MXFP8 experts, on request (M3KIT_MOE_FUSE), the down GEMV
-   * then ends with the combine (templates/mxfp8.lua combine=1; "combine" or
-   * "all") and the gate|up GEMV with SwiGLU (act=swiglu; "all"): one launch a
-   * layer fewer each.  Off by default: on the H200 the combine epilogue left
-   * TPOT at 8K 0.05 ms higher (device run 47: 10.05-10.09 against
-   * 10.01-10.04 ms), on an H100 0.07-0.12 ms lower (runs 45, 46); the SwiGLU
-   * epilogue cost 0.1-0.16 ms a step on the H100 (its 1920 CTAs' fences). */
-  const int fused = ns && w->e4m3 && (ws->fuse & M3_MOE_FUSE_COMBINE),
-            fuse_act = ns && w->e4m3 && I % 64 == 0 && (ws->fuse & M3_MOE_FUSE_ACT);
+  const int64_t ns = pl.ns;
+  const int fused = pl.fused, fuse_act = pl.fuse_act;
   m3_kernel *sw = NULL, *swsh = NULL;
   M3_TRY(m3_swiglu_key(I, a->alpha, a->limit, a->beta, &v, e));
   if (!fuse_act) M3_TRY(kernel_at(rt, &v, P + ns, &sw, e));
@@ -823,6 +927,10 @@ m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_m
                                                       w->shared_down, w->shared_down_scale, ns, b.y,
                                                       fused ? &ec : NULL, s, e));
     if (fused) return M3_OK;
+    if (pl.defer) { /* out is the caller's next norm's business (pend) */
+      pending_of(&pl, a, &b, wts, pend);
+      return M3_OK;
+    }
     if (ns) {
       shared_y = b.y + P * H;
     } else if (Is) {

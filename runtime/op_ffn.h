@@ -32,8 +32,11 @@ m3_status m3_err_word_take(int32_t *err_word, cudaStream_t stream, int64_t *firs
 
 /* ---- Gemma RMSNorm, §2.2; templates/rmsnorm.lua ------------------------ */
 
-/* Key rmsnorm(add, f32copy, n).  Errors: M3_KEY. */
+/* Key rmsnorm(add, f32copy, combine=0, n): x read as it is.  Errors: M3_KEY. */
 m3_status m3_rmsnorm_key(int add, int f32copy, int n, m3_variant *v, m3_err *e);
+/* Key rmsnorm(add=1, f32copy, combine=topk, n): x formed from the decode MoE
+ * layer's expert outputs (m3_launch_add_rmsnorm_combine).  Errors: M3_KEY. */
+m3_status m3_rmsnorm_combine_key(int topk, int f32copy, int n, m3_variant *v, m3_err *e);
 
 /* m3_ref_rmsnorm: y = bf16(x * r * (1 + w)) per row, one CTA per row.
  * x [n_rows, n] bf16 (may alias y), w [n] bf16, y [n_rows, n] bf16;
@@ -49,6 +52,25 @@ m3_status m3_launch_rmsnorm(const m3_kernel *k, int64_t n_rows, int n, const voi
  * y); the rest as m3_launch_rmsnorm.  Errors: as m3_launch_rmsnorm. */
 m3_status m3_launch_add_rmsnorm(const m3_kernel *k, int64_t n_rows, int n, const void *x, void *residual,
                                 const void *w, float eps, void *y, float *y32, cudaStream_t stream, m3_err *e);
+
+/* The decode MoE combine (§7.2 / §12.6) and the add + RMSNorm after it
+ * (§2.3, §10.2) in one launch, one CTA per row (token): per element
+ *   x = bf16(sum_k ew[t,k] * ey[t*K+k] (fp32, top-k order) + esh[t])
+ * exactly as m3_launch_moe_combine (shared, no row map) computes it, then
+ * m3_launch_add_rmsnorm on that x - residual and y are those two launches'
+ * bit for bit (x itself is never stored).  K = topk = the kernel's combine
+ * axis (m3_rmsnorm_combine_key).  ey [n_rows * K, n] bf16 (routed pair
+ * t*K + k in row t*K + k: the decode GEMV's pair order), ew [n_rows, K] fp32
+ * (routed_scaling applied), esh [n_rows, n] bf16 the shared expert's output
+ * (m3_moe_forward_pending hands back all three); residual [n_rows, n] bf16
+ * in/out, w [n] bf16, y [n_rows, n] bf16 and y32 as m3_launch_add_rmsnorm.
+ * y must not overlap ey, esh or residual (other CTAs still read them).
+ * ey, esh, residual, w, y (and y32) 16-byte aligned when n % 8 == 0, ew
+ * 4-byte.  Errors: M3_INVAL (kernel/argument mismatch, topk < 1, n_rows >
+ * INT32_MAX, misaligned or aliased pointers), M3_CUDA. */
+m3_status m3_launch_add_rmsnorm_combine(const m3_kernel *k, int64_t n_rows, int n, int topk, const void *ey,
+                                        const float *ew, const void *esh, void *residual, const void *w, float eps,
+                                        void *y, float *y32, cudaStream_t stream, m3_err *e);
 
 /* ---- Embedding gather, §2.3; templates/embed.lua ----------------------- */
 
@@ -353,7 +375,8 @@ void m3_moe_ws_free(m3_moe_ws *ws);
  * same values, a launch fewer each; off by default: not faster on the H200,
  * runtime/op_ffn.c says what was measured); M3_MOE_FUSE_ROUTE (decode, up to
  * 8 tokens: one launch) the router GEMV's last CTA the top-k
- * (m3_launch_gemv_route).  Prefill: router GEMM (cuBLAS fp32 with m32, else
+ * (m3_launch_gemv_route); M3_MOE_FUSE_NORM acts only through
+ * m3_moe_forward_pending (this function always writes out).  Prefill: router GEMM (cuBLAS fp32 with m32, else
  * the GEMV in chunks of 8 tokens), route, stable group, gather, one cuBLAS
  * GEMM per expert on its contiguous rows (MXFP8 experts are dequantised into
  * scratch first), SwiGLU, combine through the inverse permutation; one sync
@@ -370,19 +393,55 @@ void m3_moe_ws_free(m3_moe_ws *ws);
 enum {
   M3_MOE_FUSE_COMBINE = 1, /* the down GEMV's epilogue writes the combine (templates/mxfp8.lua combine=1) */
   M3_MOE_FUSE_ACT = 2,     /* the gate|up GEMV's epilogue writes SwiGLU(gu) (act=swiglu) */
+  M3_MOE_FUSE_NORM = 8,    /* the combine is left to the next add + RMSNorm (m3_moe_forward_pending,
+                              m3_launch_add_rmsnorm_combine; templates/rmsnorm.lua combine=K) */
   M3_MOE_FUSE_ROUTE = 16,  /* the router GEMV's epilogue selects the experts (route_e > 0; decode, <= 8 tokens) */
 };
 /* The bits that apply when M3KIT_MOE_FUSE is unset: none. */
 #define M3_MOE_FUSE_DEFAULT 0u
 
 /* The environment's M3KIT_MOE_FUSE as M3_MOE_FUSE_* bits: a comma-separated
- * list of "combine", "act", "route"; "all" = combine,act; "0" or "none" = no bits;
- * unset or empty = M3_MOE_FUSE_DEFAULT.  Errors: M3_INVAL naming the variable
- * for an unknown name. */
+ * list of "combine", "act", "route", "norm"; "all" = combine,act; "0" or "none" = no
+ * bits; unset or empty = M3_MOE_FUSE_DEFAULT.  Errors: M3_INVAL naming the
+ * variable for an unknown name, and for combine with norm (both would do the
+ * combine: one in the down GEMV, one in the next norm). */
 m3_status m3_moe_fuse_env(unsigned *fuse, m3_err *e);
 
 m3_status m3_moe_forward(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_moe_weights *w, m3_moe_ws *ws,
                          const void *m, const float *m32, void *out, int32_t *ids, float *wts, int path,
                          m3_err *e);
+
+/* The combine a decode MoE layer left undone (M3_MOE_FUSE_NORM): the inputs
+ * of m3_launch_add_rmsnorm_combine, device pointers into the workspace (and
+ * wts), valid until the next m3_moe_forward* call on the same workspace. */
+typedef struct m3_moe_pending {
+  int active;         /* 1: the combine was not launched and out was not written; 0: nothing pending */
+  int topk;           /* K */
+  int64_t n_tokens;
+  const void *y;      /* [n_tokens * K, hidden] bf16: pair t*K + k's routed expert output in row t*K + k */
+  const float *w;     /* [n_tokens, K] fp32 routing weights (the wts argument, or the workspace's) */
+  const void *shared; /* [n_tokens, hidden] bf16: the shared expert's output of token t in row t */
+} m3_moe_pending;
+
+/* m3_moe_forward, which with pend not NULL, ws->fuse & M3_MOE_FUSE_NORM, the
+ * decode path and a shared expert that rides along in the routed GEMVs (as
+ * wide as a routed expert; MXFP8 or bf16) and no combine epilogue
+ * (M3_MOE_FUSE_COMBINE wins where a caller set both bits in ws->fuse) skips
+ * the combine launch: out is not written and *pend describes the combine
+ * (active = 1), which the caller then runs inside the add + RMSNorm that
+ * follows (m3_launch_add_rmsnorm_combine: the same out values, never
+ * stored).  Otherwise out is written as by m3_moe_forward and pend->active =
+ * 0.  pend NULL is m3_moe_forward.  Errors: as m3_moe_forward. */
+m3_status m3_moe_forward_pending(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, const m3_moe_weights *w,
+                                 m3_moe_ws *ws, const void *m, const float *m32, void *out, int32_t *ids, float *wts,
+                                 int path, m3_moe_pending *pend, m3_err *e);
+
+/* What m3_moe_forward_pending(..., pend) will leave in *pend for these
+ * arguments, without launching anything: for a caller that must know it
+ * when the layer itself is not run (forward.c's per-op graph breakdown
+ * captures the next norm alone).  Errors: M3_INVAL (shapes, as
+ * m3_moe_forward). */
+m3_status m3_moe_pending_plan(const m3_moe_args *a, const m3_moe_weights *w, const m3_moe_ws *ws, float *wts,
+                              int path, m3_moe_pending *pend, m3_err *e);
 
 #endif

@@ -7,6 +7,13 @@
 -- the norm reads that ROUNDED residual; r = 1/sqrtf(ss/n + eps) and
 -- x*r*(1+w) with the references' roundings (only the fp32 sum of squares is
 -- ordered differently, so outputs agree to within 1 bf16 ulp).
+-- combine = K > 0 (add=1 only): x is not read but formed from the decode MoE
+-- layer's expert outputs exactly as templates/moe_combine.lua (shared=1,
+-- rowmap=0) forms it, x = bf16(sum_k w[t,k] y[t*K+k] + shared[t]), so the
+-- combine launch and the write and re-read of x are saved (runtime/forward.c:
+-- the next layer's input norm, or the final norm).  Same operations in the
+-- same order, so r and y are the two launches' bit for bit.  combine=0
+-- renders the plain kernel's text unchanged (its tuning records stay valid).
 local P = m3.include("lib/prelude")
 local F = m3.include("lib/ffn")
 
@@ -15,6 +22,7 @@ T.name = "rmsnorm"
 T.axes = {
   {"add", {0, 1}},        -- 1: residual = bf16(x + residual), then normalise it
   {"f32copy", {0, 1}},    -- 1: also write float(y) for the fp32 router GEMM (§7.2)
+  {"combine", "int"},     -- K > 0: x = the MoE combine of K routed rows + the shared expert's (§12.6)
   {"n", "int"},           -- row length (hidden size)
 }
 T.tiles = {
@@ -34,6 +42,12 @@ function T.valid(k, t, arch)
   if m3.sm(arch) < 80 then return false, "needs sm_80+ (bf16 cvt)" end
   if k.n < 1 then return false, "row length n must be positive" end
   if k.n >= (1 << 24) then return false, "n must be < 2^24 (exact as a float divisor)" end
+  if k.combine < 0 or k.combine > 16 then
+    return false, "combine is a top-k in [1, 16] (as moe_combine's), or 0 for a plain x"
+  end
+  if k.combine > 0 and k.add == 0 then
+    return false, "combine needs add=1: the combined MoE output is a sublayer output, added to the residual"
+  end
   if per_thread(k, t) * vec(k) > MAX_REG then
     return false, string.format("a row of %d needs %d values per thread at %d threads (max %d in registers)",
                                 k.n, per_thread(k, t) * vec(k), t.threads, MAX_REG)
@@ -51,10 +65,17 @@ end
 function T.variants(c)
   local out = {}
   if c.hidden and c.hidden > 0 then
-    out[#out + 1] = {add = 0, f32copy = 0, n = c.hidden}   -- layer 0 input norm
-    out[#out + 1] = {add = 1, f32copy = 0, n = c.hidden}   -- input norms, final norm
+    out[#out + 1] = {add = 0, f32copy = 0, combine = 0, n = c.hidden}   -- layer 0 input norm
+    out[#out + 1] = {add = 1, f32copy = 0, combine = 0, n = c.hidden}   -- input norms, final norm
     if c.has_moe ~= 0 then
-      out[#out + 1] = {add = 1, f32copy = 1, n = c.hidden} -- post-attention norm of MoE layers
+      out[#out + 1] = {add = 1, f32copy = 1, combine = 0, n = c.hidden} -- post-attention norm of MoE layers
+      -- The input norm after a decode MoE layer that left its combine to it
+      -- (M3KIT_MOE_FUSE=norm: the dims' moe_fuse bit 8, runtime/op_ffn.h
+      -- M3_MOE_FUSE_NORM), where the shared expert rides along in the routed
+      -- GEMVs (as wide as a routed one): its rows follow the routed pairs'.
+      if (c.moe_fuse or 0) & 8 ~= 0 and c.shared_inter == c.inter and (c.topk_experts or 0) > 0 then
+        out[#out + 1] = {add = 1, f32copy = 0, combine = c.topk_experts, n = c.hidden}
+      end
     end
   end
   return out
@@ -67,7 +88,7 @@ local body = [==[
 #define THREADS $threads
 #define PER ((CHUNKS + THREADS - 1) / THREADS)
 #define ADD $add
-#define F32COPY $f32copy
+#define F32COPY $f32copy$cdefs
 
 M3_DEV void load_vec(const bf16_t *p, float *v) {
 #if VEC == 8
@@ -93,12 +114,12 @@ M3_DEV void store_vec(bf16_t *p, const float *v) {
  * w [N] bf16 Gemma offset; y [rows, N] bf16; y32 [rows, N] fp32 (f32copy=1). */
 extern "C" __global__ void __launch_bounds__(THREADS)
 $sym(const bf16_t *x, bf16_t *__restrict__ residual, const bf16_t *__restrict__ w, bf16_t *y,
-     float *__restrict__ y32, long long n_rows, float eps) {
+     float *__restrict__ y32, long long n_rows, float eps$cparams) {
   M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
   __shared__ float red[32];
   const long long row = blockIdx.x;
   if (row >= n_rows) return;
-  const bf16_t *xr = x + row * N;
+$xrow
   float v[PER][VEC];
   float ss = 0.0f;
 #pragma unroll
@@ -107,7 +128,7 @@ $sym(const bf16_t *x, bf16_t *__restrict__ residual, const bf16_t *__restrict__ 
 #pragma unroll
     for (int j = 0; j < VEC; j++) v[i][j] = 0.0f;
     if (c < CHUNKS) {
-      load_vec(xr + c * VEC, v[i]);
+$xload
 #if ADD
       /* The new residual stream, rounded once; the norm reads this rounded
        * value (m3_ref_add_rmsnorm, §12.10 choice). */
@@ -150,9 +171,46 @@ $sym(const bf16_t *x, bf16_t *__restrict__ residual, const bf16_t *__restrict__ 
 }
 ]==]
 
+-- combine = 0: the plain kernel's own lines (byte for byte the text before
+-- the axis existed).  combine = K: x formed as moe_combine.lua forms it -
+-- acc from 0, acc = acc + w_k * y_k in top-k order, + shared, every step
+-- pinned (fmul_rn / fadd_rn), one rounding to bf16 (round_bf16 is the
+-- float of the bf16 moe_combine stores) - then the plain add and norm.
+local plain = {
+  cparams = "",
+  xrow = "  const bf16_t *xr = x + row * N;",
+  xload = "      load_vec(xr + c * VEC, v[i]);",
+}
+local combined = {
+  cparams = ",\n     const bf16_t *__restrict__ ey, const float *__restrict__ ew, const bf16_t *__restrict__ esh",
+  xrow = [==[
+  /* x is not read: ey [n_rows * TOPK, N] bf16 expert outputs in pair order
+   * (row t*TOPK + k), ew [n_rows, TOPK] fp32 routing weights, esh [n_rows, N]
+   * bf16 the shared expert's output (the decode layout of m3_moe_forward). */
+  float wk[TOPK];
+#pragma unroll
+  for (int k = 0; k < TOPK; k++) wk[k] = ew[row * TOPK + k];]==],
+  xload = [==[
+      {
+        float t[VEC]; /* v[i] starts at 0.0f: moe_combine's acc */
+#pragma unroll
+        for (int k = 0; k < TOPK; k++) {
+          load_vec(ey + (row * TOPK + k) * N + c * VEC, t);
+#pragma unroll
+          for (int j = 0; j < VEC; j++) v[i][j] = fadd_rn(v[i][j], fmul_rn(wk[k], t[j]));
+        }
+        load_vec(esh + row * N + c * VEC, t);
+#pragma unroll
+        for (int j = 0; j < VEC; j++) v[i][j] = round_bf16(fadd_rn(v[i][j], t[j]));
+      }]==],
+}
+
 function T.render(k, t, arch, sym)
+  local parts = k.combine > 0 and combined or plain
   local src = F.subst("rmsnorm", body, {
     n = k.n, vec = vec(k), threads = t.threads, add = k.add, f32copy = k.f32copy, sym = sym,
+    cdefs = k.combine > 0 and ("\n#define TOPK " .. k.combine) or "", cparams = parts.cparams,
+    xrow = parts.xrow, xload = parts.xload,
   })
   return {source = P.all(arch) .. F.base .. src, threads = t.threads, smem = 0}
 end

@@ -679,6 +679,155 @@ START_TEST(combine_every_tile) {
 END_TEST
 
 /* ------------------------------------------------------------------------ */
+/* Combine + add + RMSNorm in one launch (rmsnorm combine=K)                */
+/* ------------------------------------------------------------------------ */
+
+/* The decode MoE layer's layout (m3_moe_forward): y [N*K + N, H], pair t*K+k
+ * in row t*K+k, the shared expert's token t in row N*K + t.  The fused kernel
+ * against (a) the two launches it replaces - moe_combine (shared, no row
+ * map) into x, then add_rmsnorm - on the same inputs, bit for bit (residual,
+ * y, y32), and (b) the references: m3_ref_moe's combine loop, then
+ * m3_ref_add_rmsnorm (residual bit-exact, y within 1 bf16 ulp).  Every
+ * output is NaN-poisoned first and must come back finite. */
+static void run_norm_combine(int64_t N, int H, int K, int f32copy, const char *tile) {
+  m3_rng r = rng_for((uint64_t)N * 13 + (uint64_t)H * 3 + (uint64_t)K + (uint64_t)f32copy * 101);
+  const size_t P = (size_t)N * K, NH = (size_t)N * H;
+  m3_bf16 *y = rand_bf16(&r, (P + (size_t)N) * H, 1.0f), *res = rand_bf16(&r, NH, 1.0f);
+  m3_bf16 *wn = rand_bf16(&r, (size_t)H, 0.2f);
+  float *w = malloc(sizeof *w * P);
+  for (size_t p = 0; p < P; p++) w[p] = 2.0f * m3_rng_unif(&r); /* routed_scaling 2 included */
+  const m3_bf16 *sh = y + P * H;
+  m3_bf16 *x_ref = malloc(sizeof *x_ref * NH), *y_ref = malloc(sizeof *y_ref * NH), *res_ref = malloc(sizeof *res_ref * NH);
+  for (int64_t t = 0; t < N; t++)
+    for (int d = 0; d < H; d++) { /* m3_ref_moe's combine loop */
+      float acc = 0.0f;
+      for (int k = 0; k < K; k++) acc += w[t * K + k] * m3_bf16_to_f32(y[((size_t)t * K + k) * H + d]);
+      acc += m3_bf16_to_f32(sh[t * H + d]);
+      x_ref[t * H + d] = m3_f32_to_bf16(acc);
+    }
+  memcpy(res_ref, res, sizeof *res * NH);
+  m3_ref_add_rmsnorm(N, H, x_ref, res_ref, wn, 1e-6f, y_ref);
+
+  void *d_ey = dup(y, sizeof *y * (P + (size_t)N) * H), *d_w = dup(w, sizeof *w * P), *d_wn = dup(wn, sizeof *wn * H);
+  const void *d_sh = (const m3_bf16 *)d_ey + P * H;
+  void *d_res1 = dup(res, sizeof *res * NH), *d_res2 = dup(res, sizeof *res * NH);
+  void *d_x = dpoison(sizeof(m3_bf16) * NH), *d_o1 = dpoison(sizeof(m3_bf16) * NH), *d_o2 = dpoison(sizeof(m3_bf16) * NH);
+  float *d_y32a = f32copy ? dpoison(sizeof(float) * NH) : NULL, *d_y32b = f32copy ? dpoison(sizeof(float) * NH) : NULL;
+  m3_variant v;
+  m3_err e;
+  /* the two launches: combine, then add + norm */
+  ck_assert_int_eq(m3_combine_key(H, K, 1, 0, &v, &e), M3_OK);
+  m3_kernel *kc = kern(&v, NULL);
+  ck_assert_int_eq(m3_rmsnorm_key(1, f32copy, H, &v, &e), M3_OK);
+  m3_kernel *kn = kern(&v, tile); /* the same tile: threads order the sum of squares */
+  GPU_CHECK(m3_launch_moe_combine(kc, N, H, K, d_ey, NULL, d_w, d_sh, d_x, g_rt.stream, &e_));
+  GPU_CHECK(m3_launch_add_rmsnorm(kn, N, H, d_x, d_res1, d_wn, 1e-6f, d_o1, d_y32a, g_rt.stream, &e_));
+  /* the fused launch */
+  ck_assert_int_eq(m3_rmsnorm_combine_key(K, f32copy, H, &v, &e), M3_OK);
+  m3_kernel *kf = kern(&v, tile);
+  char ctx[1400];
+  ctx_of(kf, "rmsnorm combine", ctx, sizeof ctx);
+  snprintf(ctx + strlen(ctx), sizeof ctx - strlen(ctx), " rows=%lld", (long long)N);
+  GPU_CHECK(m3_launch_add_rmsnorm_combine(kf, N, H, K, d_ey, d_w, d_sh, d_res2, d_wn, 1e-6f, d_o2, d_y32b, g_rt.stream,
+                                          &e_));
+  sync_ok();
+  m3_bf16 *x = down(d_x, sizeof *x * NH), *o1 = down(d_o1, sizeof *o1 * NH), *o2 = down(d_o2, sizeof *o2 * NH);
+  m3_bf16 *r1 = down(d_res1, sizeof *r1 * NH), *r2 = down(d_res2, sizeof *r2 * NH);
+  for (size_t i = 0; i < NH; i++)
+    ck_assert_msg(isfinite(m3_bf16_to_f32(o2[i])) && isfinite(m3_bf16_to_f32(r2[i])),
+                  "%s: element %zu not finite (y %g, residual %g)", ctx, i, m3_bf16_to_f32(o2[i]), m3_bf16_to_f32(r2[i]));
+  expect_same(ctx, x, x_ref, sizeof *x * NH);      /* the combine launch is the reference's (combine_exact) */
+  expect_same(ctx, r2, r1, sizeof *r2 * NH);       /* fused = two launches, bit for bit */
+  expect_same(ctx, o2, o1, sizeof *o2 * NH);
+  expect_same(ctx, r2, res_ref, sizeof *r2 * NH);  /* the residual add is exact */
+  expect_bf16(ctx, o2, y_ref, NH, 1.0);            /* the norm within 1 ulp (sum of squares order) */
+  if (f32copy) {
+    float *a = down(d_y32a, sizeof(float) * NH), *b = down(d_y32b, sizeof(float) * NH);
+    expect_same(ctx, b, a, sizeof(float) * NH);
+    for (size_t i = 0; i < NH; i++)
+      ck_assert_msg(b[i] == m3_bf16_to_f32(o2[i]), "%s: y32[%zu] = %g is not float(y) = %g", ctx, i, b[i],
+                    m3_bf16_to_f32(o2[i]));
+    free(a); free(b);
+  }
+  m3_dev_free(d_ey); m3_dev_free(d_w); m3_dev_free(d_wn); m3_dev_free(d_res1); m3_dev_free(d_res2);
+  m3_dev_free(d_x); m3_dev_free(d_o1); m3_dev_free(d_o2); m3_dev_free(d_y32a); m3_dev_free(d_y32b);
+  free(y); free(res); free(wn); free(w); free(x_ref); free(y_ref); free(res_ref);
+  free(x); free(o1); free(o2); free(r1); free(r2);
+}
+
+START_TEST(norm_combine_exact) {
+  /* (rows, hidden, top-k, f32copy): decode batches 1, 5, 8 at M3's hidden
+   * and top-k, another top-k, the forward test's shape (256, all 8 of 8),
+   * odd row lengths (scalar path) */
+  static const struct { int64_t n; int h, k, f32; } C[6] = {
+      {1, 6144, 4, 0}, {5, 6144, 4, 0}, {8, 6144, 2, 1}, {1, 256, 8, 0}, {5, 100, 3, 0}, {19, 1001, 16, 1}};
+  run_norm_combine(C[_i].n, C[_i].h, C[_i].k, C[_i].f32, NULL);
+}
+END_TEST
+
+START_TEST(norm_combine_every_tile) {
+  static const struct { int h, k; } C[2] = {{6144, 4}, {100, 3}};
+  m3_variant v;
+  m3_err e;
+  ck_assert_int_eq(m3_rmsnorm_combine_key(C[_i].k, 0, C[_i].h, &v, &e), M3_OK);
+  char (*tiles)[256];
+  int n = gpu_valid_tiles(&v, &tiles);
+  ck_assert_int_gt(n, 1);
+  for (int i = 0; i < n; i++) run_norm_combine(5, C[_i].h, C[_i].k, 0, tiles[i]);
+  free(tiles);
+}
+END_TEST
+
+/* What the template and the launchers refuse, each with M3_INVAL (or the
+ * template's reason) and never a launch: combine without add, a top-k out of
+ * range, a kernel of another top-k or of the plain norm, a plain launcher
+ * given the combine kernel, misaligned or overlapping buffers. */
+START_TEST(norm_combine_rejects) {
+  m3_variant v;
+  m3_err e;
+  m3_kernel *k;
+  ck_assert_int_eq(m3_variant_parse("rmsnorm(add=0,f32copy=0,combine=4,n=256)", &v, &e), M3_OK);
+  ck_assert_int_ne(m3_rt_kernel(&g_rt, &v, NULL, &k, &e), M3_OK);
+  ck_assert_msg(strstr(e.msg, "combine needs add=1"), "%s", e.msg);
+  ck_assert_int_eq(m3_rmsnorm_combine_key(17, 0, 256, &v, &e), M3_OK);
+  ck_assert_int_ne(m3_rt_kernel(&g_rt, &v, NULL, &k, &e), M3_OK);
+  ck_assert_msg(strstr(e.msg, "top-k in [1, 16]"), "%s", e.msg);
+  const int H = 256, K = 4, N = 2;
+  void *d_ey = dzero(sizeof(m3_bf16) * (size_t)(N * K + N) * H + 16), *d_w = dzero(4 * (size_t)N * K + 4);
+  void *d_res = dzero(sizeof(m3_bf16) * (size_t)N * H), *d_wn = dzero(sizeof(m3_bf16) * H);
+  void *d_o = dzero(sizeof(m3_bf16) * (size_t)N * H), *d_x = dzero(sizeof(m3_bf16) * (size_t)N * H);
+  const void *d_sh = (const m3_bf16 *)d_ey + (size_t)N * K * H;
+  ck_assert_int_eq(m3_rmsnorm_combine_key(K, 0, H, &v, &e), M3_OK);
+  m3_kernel *kf = kern(&v, NULL);
+  ck_assert_int_eq(m3_rmsnorm_key(1, 0, H, &v, &e), M3_OK);
+  m3_kernel *kp = kern(&v, NULL);
+  const float eps = 1e-6f;
+  cudaStream_t s = g_rt.stream;
+  ck_assert_int_eq(m3_launch_add_rmsnorm_combine(kf, N, H, 2, d_ey, d_w, d_sh, d_res, d_wn, eps, d_o, NULL, s, &e),
+                   M3_INVAL); /* the kernel's top-k is 4 */
+  ck_assert_msg(strstr(e.msg, "combine=4"), "%s", e.msg);
+  ck_assert_int_eq(m3_launch_add_rmsnorm_combine(kp, N, H, K, d_ey, d_w, d_sh, d_res, d_wn, eps, d_o, NULL, s, &e),
+                   M3_INVAL); /* the plain kernel */
+  ck_assert_int_eq(m3_launch_add_rmsnorm(kf, N, H, d_x, d_res, d_wn, eps, d_o, NULL, s, &e), M3_INVAL);
+  ck_assert_int_eq(m3_launch_add_rmsnorm_combine(kf, N, H, K, (char *)d_ey + 2, d_w, d_sh, d_res, d_wn, eps, d_o, NULL,
+                                                 s, &e),
+                   M3_INVAL); /* misaligned expert rows */
+  ck_assert_int_eq(m3_launch_add_rmsnorm_combine(kf, N, H, K, d_ey, (float *)((char *)d_w + 2), d_sh, d_res, d_wn, eps,
+                                                 d_o, NULL, s, &e),
+                   M3_INVAL); /* misaligned weights */
+  ck_assert_int_eq(m3_launch_add_rmsnorm_combine(kf, N, H, K, d_ey, d_w, d_sh, d_res, d_wn, eps, d_res, NULL, s, &e),
+                   M3_INVAL); /* y is the residual */
+  ck_assert_int_eq(m3_launch_add_rmsnorm_combine(kf, N, H, K, d_ey, d_w, d_sh, d_res, d_wn, eps, (void *)d_sh, NULL, s,
+                                                 &e),
+                   M3_INVAL); /* y is the shared rows */
+  ck_assert_int_eq(m3_launch_add_rmsnorm_combine(kf, N, H, K, d_ey, d_w, NULL, d_res, d_wn, eps, d_o, NULL, s, &e),
+                   M3_INVAL); /* no shared rows */
+  sync_ok();
+  m3_dev_free(d_ey); m3_dev_free(d_w); m3_dev_free(d_res); m3_dev_free(d_wn); m3_dev_free(d_o); m3_dev_free(d_x);
+}
+END_TEST
+
+/* ------------------------------------------------------------------------ */
 /* MXFP8 dequant, GEMVs, cuBLAS                                             */
 /* ------------------------------------------------------------------------ */
 
@@ -1483,7 +1632,12 @@ END_TEST
  * non-zeros j/8), so GPU and reference route identically and only the GEMM
  * summation order differs.  A shared expert as wide as the routed ones runs
  * inside the routed GEMVs on the decode path; Is = 128 takes the separate one. */
-static void run_moe_rt(m3_rt *rt, int e4m3, int64_t N, int path, int Is) {
+/* pending: through m3_moe_forward_pending; *deferred (may be NULL) = whether
+ * the layer left its combine pending (M3KIT_MOE_FUSE=norm).  Then out must
+ * still hold its poison, and the pending combine is run by the fused
+ * combine + add + norm kernel on a zero residual (r = x exactly) and its
+ * residual compared with the reference's out as out would be. */
+static void run_moe_rt_pend(m3_rt *rt, int e4m3, int64_t N, int path, int Is, int pending, int *deferred) {
   const int H = 512, I = 256, E = 16, K = 4;
   m3_rng r = rng_for((uint64_t)N * 11 + (uint64_t)e4m3 * 3 + (uint64_t)path);
   m3_bf16 *m = malloc(sizeof *m * (size_t)N * H);
@@ -1559,12 +1713,44 @@ static void run_moe_rt(m3_rt *rt, int e4m3, int64_t N, int path, int Is) {
   for (int64_t i = 0; i < N * H; i++) m32[i] = m3_bf16_to_f32(m[i]);
   void *d_m = dup(m, sizeof *m * (size_t)N * H), *d_m32 = dup(m32, sizeof *m32 * (size_t)N * H);
   void *d_out = dpoison(sizeof(m3_bf16) * (size_t)N * H), *d_ids = dpoison(4 * (size_t)N * K), *d_w = dpoison(4 * (size_t)N * K);
-  GPU_CHECK(m3_moe_forward(rt, &gm, &a, &mw, &ws, d_m, path == 2 ? d_m32 : NULL, d_out, d_ids, d_w, path, &e_));
+  m3_moe_pending pend, plan;
+  memset(&pend, 0, sizeof pend);
+  if (pending) GPU_CHECK(m3_moe_pending_plan(&a, &mw, &ws, d_w, path, &plan, &e_));
+  GPU_CHECK(m3_moe_forward_pending(rt, &gm, &a, &mw, &ws, d_m, path == 2 ? d_m32 : NULL, d_out, d_ids, d_w, path,
+                                   pending ? &pend : NULL, &e_));
+  if (deferred) *deferred = pend.active;
+  if (pending) /* the plan foretells what the layer left */
+    ck_assert(plan.active == pend.active && plan.topk == pend.topk && plan.n_tokens == pend.n_tokens &&
+              plan.y == pend.y && plan.w == pend.w && plan.shared == pend.shared);
+  void *d_res = NULL;
+  if (pend.active) {
+    ck_assert(pend.topk == K && pend.n_tokens == N && pend.w == d_w && pend.y && pend.shared);
+    /* rt's stream, as below */
+    ck_assert_int_eq(cudaStreamSynchronize(rt->stream), cudaSuccess);
+    m3_bf16 *untouched = down(d_out, sizeof(m3_bf16) * (size_t)N * H);
+    for (int64_t i = 0; i < N * H; i++)
+      ck_assert_msg(untouched[i] == 0xffff, "moe N=%lld: out[%lld] written (%#x) with the combine pending", (long long)N,
+                    (long long)i, untouched[i]);
+    free(untouched);
+    m3_variant v;
+    m3_err e2;
+    ck_assert_int_eq(m3_rmsnorm_combine_key(K, 0, H, &v, &e2), M3_OK);
+    m3_kernel *kf;
+    GPU_CHECK(m3_rt_kernel(rt, &v, NULL, &kf, &e_));
+    d_res = dzero(sizeof(m3_bf16) * (size_t)N * H);
+    void *d_wn = dzero(sizeof(m3_bf16) * H), *d_o = dpoison(sizeof(m3_bf16) * (size_t)N * H);
+    GPU_CHECK(m3_launch_add_rmsnorm_combine(kf, N, H, K, pend.y, pend.w, pend.shared, d_res, d_wn, 1e-6f, d_o, NULL,
+                                            rt->stream, &e_));
+    ck_assert_int_eq(cudaStreamSynchronize(rt->stream), cudaSuccess);
+    m3_dev_free(d_wn);
+    m3_dev_free(d_o);
+  }
   /* rt's stream, which need not be g_rt's (moe_uses_tuned_record): the copies
    * below run on the legacy stream and do not wait for it (device runs 44 and
    * 46 read out before the last kernel had written it) */
   ck_assert_int_eq(cudaStreamSynchronize(rt->stream), cudaSuccess);
-  m3_bf16 *out = down(d_out, sizeof *out * (size_t)N * H);
+  m3_bf16 *out = down(d_res ? d_res : d_out, sizeof *out * (size_t)N * H);
+  m3_dev_free(d_res);
   int32_t *ids = down(d_ids, 4 * (size_t)N * K);
   float *wts = down(d_w, 4 * (size_t)N * K);
   char ctx[160];
@@ -1590,6 +1776,9 @@ static void run_moe_rt(m3_rt *rt, int e4m3, int64_t N, int path, int Is) {
   free(m); free(m32); free(wg); free(ref); free(ids_ref); free(w_ref); free(out); free(ids); free(wts);
 }
 
+static void run_moe_rt(m3_rt *rt, int e4m3, int64_t N, int path, int Is) {
+  run_moe_rt_pend(rt, e4m3, N, path, Is, 0, NULL);
+}
 static void run_moe(int e4m3, int64_t N, int path, int Is) { run_moe_rt(&g_rt, e4m3, N, path, Is); }
 
 /* A record in rt's tuning DB: key v (canonicalised here) at tokens=`tokens`
@@ -1675,42 +1864,101 @@ START_TEST(moe_lead_tiles_in_the_layer) {
 }
 END_TEST
 
-/* m3_moe_forward's opt-in epilogues (M3KIT_MOE_FUSE): the combine in the
+/* m3_moe_forward's opt-in fusions (M3KIT_MOE_FUSE): the combine in the
  * down GEMV, and also SwiGLU in the gate|up GEMV; MXFP8 decode (the only
- * path that fuses) at 1 and 5 tokens, against m3_ref_moe as the plain path. */
+ * path that fuses) at 1 and 5 tokens, against m3_ref_moe as the plain path.
+ * "norm" (_i = 2): m3_moe_forward_pending leaves the combine pending on the
+ * decode path with the shared expert riding along (MXFP8 and bf16), out
+ * untouched, and the fused combine + add + norm kernel finishes it (against
+ * m3_ref_moe); a narrower shared expert, the prefill path and plain
+ * m3_moe_forward (no pend) launch the combine as before. */
 START_TEST(moe_fused_paths) {
-  static const char *const modes[3] = {"combine", "all", "route"};
+  static const char *const modes[3] = {"combine", "all", "norm"};
   m3_err e;
   unsigned fuse;
-  static const char *const bad[3] = {"1", "combine,", "combine,bogus"}; /* not modes: errors naming the variable */
-  for (int b = 0; b < 3; b++) {
+  const int k0 = g_rt.n_kernels; /* the runner does not fork: g_rt's kernels of the earlier tests stay */
+  /* not modes: errors naming the variable; combine and norm both do the combine */
+  static const char *const bad[6] = {"1", "combine,", "combine,bogus", "combine,norm", "norm,all", "norm,act,combine"};
+  for (int b = 0; b < 6; b++) {
     ck_assert_int_eq(setenv("M3KIT_MOE_FUSE", bad[b], 1), 0);
     ck_assert_int_eq(m3_moe_fuse_env(&fuse, &e), M3_INVAL);
     ck_assert_msg(strstr(e.msg, "M3KIT_MOE_FUSE=") && strstr(e.msg, bad[b]), "%s", e.msg);
+    if (b >= 3) ck_assert_msg(strstr(e.msg, "combine") && strstr(e.msg, "norm"), "%s", e.msg);
   }
   ck_assert_int_eq(setenv("M3KIT_MOE_FUSE", "act,combine", 1), 0); /* a list, any order */
   ck_assert_int_eq(m3_moe_fuse_env(&fuse, &e), M3_OK);
   ck_assert_uint_eq(fuse, M3_MOE_FUSE_COMBINE | M3_MOE_FUSE_ACT);
+  ck_assert_int_eq(setenv("M3KIT_MOE_FUSE", "norm,act", 1), 0);
+  ck_assert_int_eq(m3_moe_fuse_env(&fuse, &e), M3_OK);
+  ck_assert_uint_eq(fuse, M3_MOE_FUSE_NORM | M3_MOE_FUSE_ACT);
   ck_assert_int_eq(setenv("M3KIT_MOE_FUSE", modes[_i], 1), 0);
   ck_assert_int_eq(m3_moe_fuse_env(&fuse, &e), M3_OK);
-  ck_assert(_i == 2 ? fuse == M3_MOE_FUSE_ROUTE
-                    : (fuse & M3_MOE_FUSE_COMBINE) && !!(fuse & M3_MOE_FUSE_ACT) == (_i == 1));
-  run_moe(1, 1, 1, 256);
-  run_moe(1, 5, 1, 256);
-  run_moe(1, 3, 1, 128); /* a narrower shared expert: not fused, the plain launches */
+  if (_i < 2) {
+    ck_assert((fuse & M3_MOE_FUSE_COMBINE) && !!(fuse & M3_MOE_FUSE_ACT) == (_i == 1));
+    run_moe(1, 1, 1, 256);
+    run_moe(1, 5, 1, 256);
+    run_moe(1, 3, 1, 128); /* a narrower shared expert: not fused, the plain launches */
+  } else {
+    ck_assert_uint_eq(fuse, M3_MOE_FUSE_NORM);
+    static const struct { int e4m3; int64_t n; int path, Is, pending, deferred; } C[7] = {
+        {1, 1, 1, 256, 1, 1}, {1, 5, 1, 256, 1, 1}, {0, 5, 1, 256, 1, 1}, /* decode, riding along: pending */
+        {1, 3, 1, 128, 1, 0},                                              /* narrower shared expert */
+        {1, 5, 2, 256, 1, 0}, {0, 5, 2, 256, 1, 0},                        /* prefill */
+        {1, 5, 1, 256, 0, 0}};                                             /* m3_moe_forward: no pend */
+    for (int c = 0; c < 7; c++) {
+      int deferred = -1;
+      run_moe_rt_pend(&g_rt, C[c].e4m3, C[c].n, C[c].path, C[c].Is, C[c].pending, &deferred);
+      ck_assert_msg(deferred == C[c].deferred, "M3KIT_MOE_FUSE=norm case %d: combine pending %d, expected %d", c,
+                    deferred, C[c].deferred);
+    }
+  }
   ck_assert_int_eq(unsetenv("M3KIT_MOE_FUSE"), 0);
-  int ran_comb = 0, ran_act = 0, ran_route = 0; /* the fused kernels are what ran */
-  for (int i = 0; i < g_rt.n_kernels; i++) {
+  /* the fused kernels are what ran: "combine" and "all" (in this order) may
+   * find the epilogue kernels of the earlier iterations; "norm" must add
+   * none, and its combine + norm key (hidden 512) is made by no other test */
+  int ran_comb = 0, ran_act = 0, ran_norm = 0;
+  for (int i = _i == 2 ? k0 : 0; i < g_rt.n_kernels; i++) {
     char key[M3_KEY_MAX];
-    m3_variant_print(&g_rt.kernels[i]->key, key, sizeof key);
-    ran_comb |= strstr(key, "combine=1") != NULL;
+    m3_variant_print_axes(&g_rt.kernels[i]->key, key, sizeof key);
+    const int norm = !strcmp(g_rt.kernels[i]->key.op, "rmsnorm");
+    ran_comb |= !norm && strstr(key, "combine=1") != NULL;
     ran_act |= strstr(key, "act=swiglu") != NULL;
     ran_route |= strstr(key, "w=f32") && !strstr(key, "route_e=0,");
   }
-  /* (without fork, CK_FORK=no, the kernels of the earlier modes are still loaded) */
-  ck_assert_msg(_i == 2 ? ran_route : ran_comb && ran_act == (_i == 1) && !ran_route,
-                "M3KIT_MOE_FUSE=%s: combine kernel %d, SwiGLU epilogue kernel %d, route epilogue kernel %d", modes[_i],
-                ran_comb, ran_act, ran_route);
+  for (int i = 0; i < g_rt.n_kernels; i++) {
+    char key[M3_KEY_MAX];
+    m3_variant_print_axes(&g_rt.kernels[i]->key, key, sizeof key);
+    ran_norm |= !strcmp(key, "rmsnorm(add=1,f32copy=0,combine=4,n=512)");
+  }
+  ck_assert_msg(ran_comb == (_i < 2) && ran_act == (_i == 1) && ran_norm == (_i == 2),
+                "M3KIT_MOE_FUSE=%s: combine epilogue kernel %d, SwiGLU epilogue kernel %d, combine+norm kernel %d",
+                modes[_i], ran_comb, ran_act, ran_norm);
+}
+END_TEST
+
+/* M3KIT_MOE_FUSE=route: the router GEMV's last CTA routes (the decode path,
+ * MXFP8 and bf16 experts, 1 and 5 tokens) and the layer still matches
+ * m3_ref_moe; prefill keeps its route launch; the route epilogue kernel is
+ * what ran (router_route_epilogue checks it bit for bit). */
+START_TEST(moe_route_fused_path) {
+  m3_err e;
+  unsigned fuse;
+  const int k0 = g_rt.n_kernels;
+  ck_assert_int_eq(setenv("M3KIT_MOE_FUSE", "route", 1), 0);
+  ck_assert_int_eq(m3_moe_fuse_env(&fuse, &e), M3_OK);
+  ck_assert_uint_eq(fuse, M3_MOE_FUSE_ROUTE);
+  run_moe(1, 1, 1, 256);
+  run_moe(1, 5, 1, 256);
+  run_moe(0, 5, 1, 256);
+  run_moe(1, 5, 2, 256);
+  ck_assert_int_eq(unsetenv("M3KIT_MOE_FUSE"), 0);
+  int ran_route = 0;
+  for (int i = k0; i < g_rt.n_kernels; i++) {
+    char key[M3_KEY_MAX];
+    m3_variant_print(&g_rt.kernels[i]->key, key, sizeof key);
+    ran_route |= strstr(key, "w=f32") && !strstr(key, "route_e=0,");
+  }
+  ck_assert_msg(ran_route, "M3KIT_MOE_FUSE=route: no route epilogue kernel ran");
 }
 END_TEST
 
@@ -1904,6 +2152,9 @@ static Suite *make(void) {
   tcase_add_loop_test(c[0].tc, rmsnorm_rows, 0, 12);
   tcase_add_test(c[0].tc, rmsnorm_fault23_every_site);
   tcase_add_loop_test(c[0].tc, rmsnorm_every_tile, 0, 2);
+  tcase_add_loop_test(c[0].tc, norm_combine_exact, 0, 6);
+  tcase_add_loop_test(c[0].tc, norm_combine_every_tile, 0, 2);
+  tcase_add_test(c[0].tc, norm_combine_rejects);
   tcase_add_loop_test(c[1].tc, embed_gather, 0, 4);
   tcase_add_test(c[1].tc, embed_every_tile);
   tcase_add_loop_test(c[2].tc, route_fault20, 0, 2);
@@ -1938,6 +2189,7 @@ static Suite *make(void) {
   tcase_add_test(c[7].tc, moe_uses_tuned_record);
   tcase_add_test(c[7].tc, moe_lead_tiles_in_the_layer);
   tcase_add_loop_test(c[7].tc, moe_fused_paths, 0, 3);
+  tcase_add_test(c[7].tc, moe_route_fused_path);
   tcase_add_test(c[8].tc, greedy_matches_reference);
   tcase_add_loop_test(c[8].tc, top_p_matches_reference, 0, 5);
   tcase_add_test(c[8].tc, sample_every_tile);

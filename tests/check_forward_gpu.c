@@ -41,7 +41,9 @@
  * and the CPU reference test (top-4 of 8) cover it, and synthetic_model
  * below runs top-4 of 6 resident experts.
  *
- * Also: decode replayed from a CUDA graph equals eager decode bit for bit; a
+ * Also: decode replayed from a CUDA graph equals eager decode bit for bit, and
+ * so does decode with M3KIT_MOE_FUSE=norm (the MoE combine inside the next
+ * add+norm launch) equal decode without it; a
  * synthetic model's weights equal m3_synth_value; bad inputs: a token id >=
  * vocab is M3_RANGE (prefill and decode), a context beyond
  * max_position_embeddings is rejected at admission and at cache init, a cache
@@ -350,6 +352,61 @@ START_TEST(graph_replay_equals_eager) {
 }
 END_TEST
 
+/* M3KIT_MOE_FUSE=norm: each decode step's MoE layers leave their combine to
+ * the add + norm after them (runtime/forward.c moe(), add_norm), whose launch
+ * forms it (rmsnorm combine=K, here K = 8): the fused kernel ran, and every
+ * step's logits equal the unfused run's bit for bit (the fused launch is the
+ * combine + add_rmsnorm launches' bit for bit), the first step eager, the
+ * rest replayed from the graph captured with it; the prefill chunks (not
+ * fused) in both.  The per-op graph breakdown still runs: its "input_norm"
+ * capture builds the fused launch with the MoE layer left out. */
+START_TEST(moe_fuse_norm) {
+  const int V = cfg.vocab_size, steps = n_steps();
+  float *lg[2] = {malloc(sizeof(float) * V * steps), malloc(sizeof(float) * V * steps)};
+  char want[M3_KEY_MAX];
+  snprintf(want, sizeof want, "rmsnorm(add=1,f32copy=0,combine=%d,n=%d)", cfg.num_experts_per_tok, cfg.hidden_size);
+  for (int fuse = 0; fuse < 2; fuse++) {
+    /* read when the forward allocates its MoE workspace */
+    if (fuse) ck_assert_int_eq(setenv("M3KIT_MOE_FUSE", "norm", 1), 0);
+    gpu_run g;
+    gpu_open(&g, 0, 0, 1, 1);
+    ck_assert_int_eq(unsetenv("M3KIT_MOE_FUSE"), 0);
+    m3_err e = {0};
+    int32_t tok;
+    ck_assert_msg(m3_forward_prefill(g.f, g.seq, 40, prompt, NULL, &tok, NULL, &e) == M3_OK, "%s", e.msg);
+    for (int s = 0; s < steps; s++) { /* the same inputs for both runs */
+      int32_t in = prompt[40 + s];
+      ck_assert_msg(m3_forward_decode(g.f, 1, &g.seq, &in, NULL, &tok, lg[fuse] + (size_t)s * V, &e) == M3_OK,
+                    "fuse %d step %d: %s", fuse, s, e.msg);
+    }
+    int ran = 0;
+    for (int i = 0; i < g_rt.n_kernels; i++) {
+      char key[M3_KEY_MAX];
+      m3_variant_print_axes(&g_rt.kernels[i]->key, key, sizeof key);
+      ran |= !strcmp(key, want);
+    }
+    ck_assert_msg(ran == fuse, "M3KIT_MOE_FUSE=%s: %s %s", fuse ? "norm" : "(unset)", want, ran ? "ran" : "did not run");
+    if (fuse) {
+      char *txt = NULL;
+      size_t txt_n = 0;
+      FILE *mem = open_memstream(&txt, &txt_n);
+      ck_assert_ptr_nonnull(mem);
+      m3_status bs = m3_forward_graph_breakdown(g.f, 2, mem, &e);
+      fclose(mem);
+      ck_assert_msg(bs == M3_OK, "%s", e.msg);
+      ck_assert_msg(strstr(txt, "input_norm") && strstr(txt, "moe") && strstr(txt, "whole step"), "%s", txt);
+      free(txt);
+    }
+    gpu_close(&g);
+  }
+  for (int s = 0; s < steps; s++)
+    ck_assert_msg(!memcmp(lg[0] + (size_t)s * V, lg[1] + (size_t)s * V, sizeof(float) * V),
+                  "decode step %d: logits with M3KIT_MOE_FUSE=norm differ from the unfused run's", s);
+  free(lg[0]);
+  free(lg[1]);
+}
+END_TEST
+
 /* The model's real sparse geometry, 128-token blocks and top-16, over a
  * prompt of 2400 tokens: 19 blocks, more than the 16 x 128 = 2048 tokens the
  * selection keeps, so blocks are dropped at the block size the released model
@@ -601,6 +658,7 @@ static Suite *make(void) {
   gpu_add_case(s, "reference", setup, forward_matches_reference, 3);
   gpu_add_case(s, "mxfp8", setup, mxfp8_checkpoint, 0);
   gpu_add_case(s, "graph", setup, graph_replay_equals_eager, 0);
+  gpu_add_case(s, "moe_fuse_norm", setup, moe_fuse_norm, 0);
   gpu_add_case(s, "block128", setup, block128_top16_long_context, 0);
   gpu_add_case(s, "batched", setup, batched_decode, 0);
   gpu_add_case(s, "bad_inputs", setup, bad_inputs, 0);

@@ -233,8 +233,9 @@ END_TEST
  * the other one (verified against the reference, so PASSED).  `direct`:
  * a family the runtime never looks up by bucket (its adapter lists none),
  * so the tuner has no job for it; the test drives the adapter itself at
- * `shapes` (a bucket) through the same gate. */
-typedef struct { const char *op, *variant, *shapes, *broken, *good; int emu, direct; } adapter_case;
+ * `shapes` (a bucket) through the same gate.  `fuse`: M3KIT_MOE_FUSE while
+ * it runs, for a variant only that fusion lists. */
+typedef struct { const char *op, *variant, *shapes, *broken, *good; int emu, direct; const char *fuse; } adapter_case;
 
 static const adapter_case ADAPTERS[] = {
     {"index_decode", "idxk=bf16", "tokens=1;ctx=8192", "warps=8,depth=2,waves=1,chunk=16,cvt=alu,lead=0,merge=fence",
@@ -259,6 +260,7 @@ static const adapter_case ADAPTERS[] = {
     {"rmsnorm", "add=0,f32copy=0", "tokens=1", "threads=256", "threads=512", 1},
     {"rmsnorm", "add=1,f32copy=0", "tokens=8", "threads=512", "threads=128", 1},
     {"rmsnorm", "add=1,f32copy=1", "tokens=256", "threads=256", "threads=1024", 1},
+    {"rmsnorm", "combine=4", "tokens=1", "threads=256", "threads=512", 1, 0, "norm"}, /* the MoE combine inside */
     {"moe_route", "stage=route", "tokens=8", "warps=4", "warps=2", 1},
     {"moe_route", "stage=group", "tokens=256", "warps=32", "warps=8", 1},
     {"moe_combine", "rowmap=0", "tokens=1", "threads=256", "threads=128", 1},
@@ -332,8 +334,10 @@ START_TEST(adapter_rejects_broken_candidate) {
     printf("  %s %s: skipped on the emulator\n", c->op, c->variant);
     return;
   }
+  if (c->fuse) setenv("M3KIT_MOE_FUSE", c->fuse, 1); /* the model's variant list (m3_model_dims) */
   if (c->direct) {
     adapter_direct(c);
+    unsetenv("M3KIT_MOE_FUSE");
     return;
   }
   char hook[160], tiles[320], db[300];
@@ -353,6 +357,7 @@ START_TEST(adapter_rejects_broken_candidate) {
   m3_status s = m3_tune_run(&g_rt, &o, &res, &e);
   unsetenv("M3KIT_TUNE_TEST_HOOK");
   unsetenv("M3KIT_TUNE_GRAPH_US");
+  unsetenv("M3KIT_MOE_FUSE");
   ck_assert_msg(s == M3_OK, "%s %s: %s", c->op, c->variant, e.msg);
   ck_assert_msg(res.n_rows == 1, "%s %s at %s: %d rows", c->op, c->variant, c->shapes, res.n_rows);
   const m3_tune_row *r = &res.rows[0];

@@ -48,7 +48,8 @@ static void usage(FILE *f) {
           "  M3KIT_SEED_DB        seed tuning DB read under the user's (default: the installed cache/seed/<arch>.json)\n"
           "  M3KIT_PDL=0          launch without programmatic dependent launch (on by default on sm_90+)\n"
           "  M3KIT_CHECK_NUMERICS=1  scan every op's output for NaN/Inf, naming the first layer and op\n"
-          "  M3KIT_MOE_FUSE       comma list of combine, act, route (all = combine,act; none): MoE decode fusions (default none)\n"
+          "  M3KIT_MOE_FUSE       comma list of combine, act, route, norm (all = combine,act; none): MoE decode fusions;\n"
+          "                       norm: the combine inside the next add+norm, not with combine (default none)\n"
           "  M3KIT_TUNE_PIN_SLACK how much slower than its own pick `m3kit tune` keeps a pinned tile (default 0.03)\n"
           "(README.md lists the ones for tests: M3KIT_SEED, M3KIT_SMALL)\n");
 }
