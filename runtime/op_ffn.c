@@ -809,7 +809,10 @@ static m3_status moe_plan_of(const m3_moe_args *a, const m3_moe_weights *w, cons
   /* "norm": the combine moves into the caller's next add + RMSNorm instead
    * (templates/rmsnorm.lua combine=K), which reads y in the decode GEMV's
    * pair order with the shared rows after them - the layout ns gives, for
-   * bf16 experts as well; off by default until a GPU A/B decides. */
+   * bf16 experts as well.  Off by default: on an H100 the step at 8K took
+   * 0.06 ms longer with it (device run 59: 11.875 against 11.814 ms; the
+   * norm's one CTA a row now reads six rows, input_norm 0.11 -> 0.20 ms a
+   * step, more than the combine launch it saves, 0.10). */
   p->defer = can_defer && p->ns && !p->fused && (ws->fuse & M3_MOE_FUSE_NORM);
   return M3_OK;
 }
@@ -876,7 +879,11 @@ m3_status m3_moe_forward_pending(m3_rt *rt, m3_gemm *g, const m3_moe_args *a, co
   m3_route_args ra = {.n_tokens = (int)n, .n_experts = (int)E, .topk = (int)K, .renormalize = a->renormalize,
                       .routed_scaling = a->routed_scaling, .logits_bf16 = 0};
   /* Decode with M3KIT_MOE_FUSE=route: the router GEMV's last CTA selects the
-   * experts (its route epilogue), where one launch holds the tokens. */
+   * experts (its route epilogue), where one launch holds the tokens.  Off by
+   * default: on an H100 it saved nothing (device runs 58-59: the fused router
+   * 0.45 ms a step against router 0.18 + route 0.25; the whole step 11.808
+   * against 11.814 ms): its last CTA's fence, count and one-warp top-k cost
+   * what the route launch did. */
   m3_kernel *kr = NULL;
   if (decode && (ws->fuse & M3_MOE_FUSE_ROUTE)) {
     m3_gemv_args gr = {.n = n, .rows = E, .cols = H, .wfmt = M3_GEMV_F32, .out_f32 = 1, .route_e = (int)E,
