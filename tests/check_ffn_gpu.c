@@ -1923,7 +1923,6 @@ START_TEST(moe_fused_paths) {
     const int norm = !strcmp(g_rt.kernels[i]->key.op, "rmsnorm");
     ran_comb |= !norm && strstr(key, "combine=1") != NULL;
     ran_act |= strstr(key, "act=swiglu") != NULL;
-    ran_route |= strstr(key, "w=f32") && !strstr(key, "route_e=0,");
   }
   for (int i = 0; i < g_rt.n_kernels; i++) {
     char key[M3_KEY_MAX];
