@@ -296,9 +296,14 @@ static m3_status dense_mlp(m3_forward *f, const step *st, int l, m3_err *e) {
  * a graph breakdown can time each alone and the step without it. */
 static unsigned moe_stages(m3_forward *f) {
   static const char *const sub[] = {"moe/router", "moe/route", "moe/gate_up", "moe/swiglu", "moe/down", "moe/combine"};
+  /* a launch an M3KIT_MOE_FUSE fusion removes gets no row (an empty graph) */
+  const unsigned fuse = f->moe_ws.fuse;
+  const unsigned gone = (fuse & M3_MOE_FUSE_ROUTE ? M3_MOE_STAGE_ROUTE : 0u) |
+                        (fuse & M3_MOE_FUSE_ACT ? M3_MOE_STAGE_SWIGLU : 0u) |
+                        (fuse & (M3_MOE_FUSE_COMBINE | M3_MOE_FUSE_NORM) ? M3_MOE_STAGE_COMBINE : 0u);
   unsigned bits = 0;
   for (unsigned i = 0; i < sizeof sub / sizeof sub[0]; i++)
-    if (op_wanted(f, sub[i])) bits |= 1u << i;
+    if ((gone >> i) & 1u || op_wanted(f, sub[i])) bits |= 1u << i;
   return bits;
 }
 

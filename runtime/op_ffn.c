@@ -123,6 +123,13 @@ m3_status m3_launch_add_rmsnorm_combine(const m3_kernel *k, int64_t n_rows, int 
   if (overlaps(y, rows * row, ey, rows * (size_t)topk * row) || overlaps(y, rows * row, esh, rows * row) ||
       overlaps(y, rows * row, residual, rows * row))
     return m3_errf(e, M3_INVAL, "add_rmsnorm_combine: y must not overlap the expert outputs, shared output or residual");
+  /* ... nor may the residual it rewrites, nor the fp32 copy */
+  if (overlaps(residual, rows * row, ey, rows * (size_t)topk * row) || overlaps(residual, rows * row, esh, rows * row) ||
+      (y32 && (overlaps(y32, rows * row * 2, ey, rows * (size_t)topk * row) ||
+               overlaps(y32, rows * row * 2, esh, rows * row) || overlaps(y32, rows * row * 2, residual, rows * row) ||
+               overlaps(y32, rows * row * 2, y, rows * row))))
+    return m3_errf(e, M3_INVAL, "add_rmsnorm_combine: the residual and the fp32 copy must not overlap the expert "
+                   "outputs, the shared output or each other");
   return norm_common(k, 1, topk, n_rows, n, NULL, residual, w, eps, y, y32, ey, ew, esh, stream, e);
 }
 

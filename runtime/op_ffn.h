@@ -200,7 +200,8 @@ m3_status m3_gemv_kernel(m3_rt *rt, const m3_gemv_args *a, m3_kernel **k, m3_err
  * E8M0 for e4m3 (else NULL); y bf16, or fp32 with out_f32.  x and w 16-byte
  * aligned, scale 4-byte aligned (the W8A16 kernel reads 4 scales at a time).
  * Non-MoE kernels only.  Errors: M3_INVAL, M3_CUDA.
- * A W8A16 tile with lead=1 reads w and scale before its grid wait, i.e.
+ * A tile with lead=1 (W8A16; bf16 / fp32: the router's default on sm_90)
+ * reads w and scale (or sends w toward L2) before its grid wait, i.e.
  * while kernels launched before it on `stream` may still run (programmatic
  * dependent launch): no kernel on `stream` may write them (weights are
  * written by host copies or by kernels of an earlier, synchronised stage). */

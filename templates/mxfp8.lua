@@ -103,7 +103,8 @@ T.tiles = {
                                     -- 0 = balanced: as many CTAs as the SMs hold at once, each 1/G of all tiles;
                                     -- 3 and 6 even out the CTAs per SM (ncu, device run 24: the MoE down's 192
                                     -- CTAs of tpc=8 put 2 on 60 SMs and 1 on 72; gate|up's 96 left 36 SMs idle)
-  {"lead", {0, 1}},                 -- W8A16 GEMV with the ring: 1 = the ring's first stages are issued before the
+  {"lead", {0, 1}},                 -- bf16 / fp32 GEMV (non-MoE): 1 = the weight rows sent toward L2 before the grid
+                                    -- wait (one bulk prefetch a row).  W8A16 GEMV with the ring: 1 = the ring's first stages are issued before the
                                     -- grid wait, while the previous kernel still runs (lib/lead.lua): every CTA's
                                     -- (non-MoE, or MoE with settled=1), or the shared expert's CTAs' (MoE, settled=0, tpc=1:
                                     -- the routed ones need the router's ids; the shared pairs' CTAs come first)
@@ -111,7 +112,10 @@ T.tiles = {
   {"ksplit", {1, 2, 4, 8, 16}},     -- bf16 / fp32 GEMV: warps a row's columns are split over (partial sums reduced
                                     -- in shared memory): a short matrix (the router's 128 rows) then has many
                                     -- warps' loads in flight, not 128 warps' (moe/router: 7.2 -> 3.2 us a layer with
-                                    -- the default ksplit=8, lead=1; the step -0.24 ms on an H100, device runs 56, 59)
+                                    -- the default ksplit=8, lead=1; the step -0.24 ms on an H100, device runs 56, 59).
+                                    -- It orders a row's fp32 sum: the router's logits, so an expert choice at a
+                                    -- near-tie, can differ with the tile (as with any GEMV tile; m3_ref_route's
+                                    -- selection of the logits it is given is exact)
 }
 
 -- Opt-in dynamic shared memory per block, by SM generation.
@@ -240,6 +244,8 @@ function T.valid(k, t, arch)
   local static = 0
   if k.w == "e4m3" then
     static = 8 * math.max(k.nmax, 2) + 512 * t.warps * t.rpw * ((t.pipe >= 3 and t.tpc ~= 1) and 2 or 1)
+  else   -- gemv_body: s_part (ksplit > 1), the route epilogue's s_lg and s_last
+    static = (t.ksplit > 1 and 4 * t.warps * t.rpw * k.nmax or 0) + (k.route_e > 0 and 4 * k.nmax * k.route_e + 4 or 0)
   end
   if gemv_smem(k, t) + static > smem_limit(arch) then
     return false, string.format("staging x%s needs %d B of shared memory (+ %d static) > %d on %s",

@@ -1124,6 +1124,12 @@ START_TEST(router_route_epilogue) {
   m3_route_args bad = ra;
   bad.topk = 2;
   ck_assert_int_eq(m3_launch_gemv_route(kf, &gr, &bad, d_x, d_w, p_lg, d_b, p_ids, p_w, d_cnt, g_rt.stream, &e), M3_INVAL);
+  m3_gemv_args more = gr;
+  m3_route_args rmore = ra;
+  more.n = rmore.n_tokens = nmax + 1;
+  ck_assert_int_eq(m3_launch_gemv_route(kf, &more, &rmore, d_x, d_w, p_lg, d_b, p_ids, p_w, d_cnt, g_rt.stream, &e),
+                   M3_INVAL);
+  ck_assert_msg(strstr(e.msg, "nmax"), "%s", e.msg);
   ck_assert_int_eq(m3_launch_gemv(kf, &gr, d_x, d_w, NULL, p_lg, g_rt.stream, &e), M3_INVAL);
   m3_dev_free(d_w); m3_dev_free(d_x); m3_dev_free(d_b); m3_dev_free(d_cnt);
   m3_dev_free(p_lg); m3_dev_free(p_ids); m3_dev_free(p_w);

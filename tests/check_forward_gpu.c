@@ -395,6 +395,7 @@ START_TEST(moe_fuse_norm) {
       fclose(mem);
       ck_assert_msg(bs == M3_OK, "%s", e.msg);
       ck_assert_msg(strstr(txt, "input_norm") && strstr(txt, "moe") && strstr(txt, "whole step"), "%s", txt);
+      ck_assert_msg(!strstr(txt, "moe/combine"), "a row for the combine launch that norm removed:\n%s", txt);
       free(txt);
     }
     gpu_close(&g);

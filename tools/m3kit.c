@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "runtime/op_ffn.h"
 #include "include/m3kit.h"
 #include <errno.h>
 #include <inttypes.h>
@@ -66,6 +67,14 @@ int main(int argc, char **argv) {
   if (!strcmp(argv[1], "--version")) {
     printf("m3kit %s\n", M3KIT_VERSION);
     return 0;
+  }
+  /* The fusions change which kernels the model needs (gen --list, tune):
+   * a bad M3KIT_MOE_FUSE stops every command, not only run. */
+  unsigned fuse;
+  m3_err fe;
+  if (m3_moe_fuse_env(&fuse, &fe) != M3_OK) {
+    fprintf(stderr, "m3kit: %s\n", fe.msg);
+    return 2;
   }
   for (size_t i = 0; i < sizeof commands / sizeof *commands; i++)
     if (!strcmp(argv[1], commands[i].name)) return commands[i].fn(argc - 1, argv + 1);
