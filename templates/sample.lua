@@ -16,6 +16,7 @@
 -- result, only which rows take the host path.
 local P = m3.include("lib/prelude")
 local F = m3.include("lib/ffn")
+local R = m3.include("lib/route")
 
 local T = {}
 T.name = "sample"
@@ -68,17 +69,8 @@ local body = [==[
 #define VEC_OK (V % VECN == 0)
 #define FULL 0xffffffffu
 
-/* Order of the greedy choice (the references' scan): a number beats NaN,
- * larger wins, ties -> lower id; id < 0 is "nothing". */
-M3_DEV bool beats(float a, int ia, float b, int ib) {
-  if (ib < 0) return ia >= 0;
-  if (ia < 0) return false;
-  const bool na = a != a, nb = b != b;
-  if (na != nb) return nb;
-  if (!na && a != b) return a > b;
-  return ia < ib;
-}
-
+/* The greedy choice's order is the router's (lib/route.lua beats). */
+$beats
 /* Visit the row's elements (id, value) in chunks of 16 bytes when aligned. */
 #define FOR_ROW(row_ptr, BODY)                                                   \
   if (VEC_OK) {                                                                  \
@@ -286,7 +278,7 @@ function T.render(k, t, arch, sym)
   local topp = k.mode == "top_p"
   local src = F.subst("sample", body, {
     vocab = k.vocab, threads = t.threads, cap = t.cap, topp = topp and 1 or 0,
-    lbf16 = k.logits == "bf16" and 1 or 0, sym = sym,
+    lbf16 = k.logits == "bf16" and 1 or 0, sym = sym, beats = R.beats,
   })
   return {source = P.all(arch) .. F.base .. src, threads = t.threads, smem = topp and 12 * t.cap or 0}
 end

@@ -1,7 +1,8 @@
 -- templates/lib/route.lua - the MoE router's top-k selection of one token
 -- (spec §7.2, m3_ref_route bit for bit): pasted by moe_route.lua's route and
 -- fused stages and by the fp32 router GEMV's route epilogue (mxfp8.lua
--- route_e > 0), so that both select exactly alike.  The includer defines E,
+-- route_e > 0), so that both select exactly alike; its order (beats) also by
+-- sample.lua's greedy choice, the references' same scan.  The includer defines E,
 -- K, EPL, RENORM, LOGITS_BF16 and FULL and pastes lib/ffn's base first.
 local R = {}
 
