@@ -163,6 +163,12 @@ cudaError_t cudaGraphExecDestroy(cudaGraphExec_t x) {
   if (e) free(e->g->ops), free(e->g), free(e);
   return cudaSuccess;
 }
+/* Nodes: the recorded operations (launches, copies, sets); no node list. */
+cudaError_t cudaGraphGetNodes(cudaGraph_t g, cudaGraphNode_t *nodes, size_t *n) {
+  if (nodes || !g || !n) return cudaErrorNotSupported;
+  *n = (size_t)((const struct CUgraph_st *)g)->n;
+  return cudaSuccess;
+}
 cudaError_t cudaGraphDestroy(cudaGraph_t g) {
   struct CUgraph_st *gg = (struct CUgraph_st *)g;
   if (gg) free(gg->ops), free(gg);

@@ -296,14 +296,9 @@ static m3_status dense_mlp(m3_forward *f, const step *st, int l, m3_err *e) {
  * a graph breakdown can time each alone and the step without it. */
 static unsigned moe_stages(m3_forward *f) {
   static const char *const sub[] = {"moe/router", "moe/route", "moe/gate_up", "moe/swiglu", "moe/down", "moe/combine"};
-  /* a launch an M3KIT_MOE_FUSE fusion removes gets no row (an empty graph) */
-  const unsigned fuse = f->moe_ws.fuse;
-  const unsigned gone = (fuse & M3_MOE_FUSE_ROUTE ? M3_MOE_STAGE_ROUTE : 0u) |
-                        (fuse & M3_MOE_FUSE_ACT ? M3_MOE_STAGE_SWIGLU : 0u) |
-                        (fuse & (M3_MOE_FUSE_COMBINE | M3_MOE_FUSE_NORM) ? M3_MOE_STAGE_COMBINE : 0u);
   unsigned bits = 0;
   for (unsigned i = 0; i < sizeof sub / sizeof sub[0]; i++)
-    if ((gone >> i) & 1u || op_wanted(f, sub[i])) bits |= 1u << i;
+    if (op_wanted(f, sub[i])) bits |= 1u << i;
   return bits;
 }
 
@@ -1063,9 +1058,10 @@ static m3_status replay_ms(m3_forward *f, cudaGraphExec_t exec, int reps, double
 }
 
 /* The last decode graph's step captured with one op alone (only) or without
- * it (skip), replayed: median ms. */
+ * it (skip), replayed: median ms; *nodes (may be NULL) gets the captured
+ * graph's node count (0: the op launched nothing, e.g. fused away). */
 static m3_status capture_ms(m3_forward *f, const graph *gr, const char *only, const char *skip, int reps, double *ms,
-                            m3_err *e) {
+                            size_t *nodes, m3_err *e) {
   cudaGraph_t g = NULL;
   cudaGraphExec_t x = NULL;
   M3_CUDA(e, cudaStreamSynchronize(f->s));
@@ -1079,6 +1075,8 @@ static m3_status capture_ms(m3_forward *f, const graph *gr, const char *only, co
   f->moe_ws.stages = M3_MOE_STAGE_ALL;
   cudaError_t ce = cudaStreamEndCapture(f->s, &g);
   if (s == M3_OK && ce != cudaSuccess) s = m3_cuda_fail(e, ce, "graph breakdown capture", __FILE__, __LINE__);
+  if (s == M3_OK && nodes && (ce = cudaGraphGetNodes(g, NULL, nodes)) != cudaSuccess)
+    s = m3_cuda_fail(e, ce, "graph breakdown: cudaGraphGetNodes", __FILE__, __LINE__);
   if (s == M3_OK && (ce = cudaGraphInstantiate(&x, g, 0)) != cudaSuccess)
     s = m3_cuda_fail(e, ce, "graph breakdown instantiate", __FILE__, __LINE__);
   if (s == M3_OK) s = replay_ms(f, x, reps, ms, e);
@@ -1109,8 +1107,10 @@ m3_status m3_forward_graph_breakdown(m3_forward *f, int reps, FILE *out, m3_err 
   for (int i = 0; i < f->n_seen; i++) {
     const char *op = f->seen_ops[i];
     double ms = 0, without = 0;
-    m3_status s = capture_ms(f, gr, op, NULL, reps, &ms, e);
-    if (s == M3_OK) s = capture_ms(f, gr, NULL, op, reps, &without, e);
+    size_t nodes = 0;
+    m3_status s = capture_ms(f, gr, op, NULL, reps, &ms, &nodes, e);
+    if (s == M3_OK && !nodes) continue; /* launches nothing in this step (a fused-away MoE launch): no row */
+    if (s == M3_OK) s = capture_ms(f, gr, NULL, op, reps, &without, NULL, e);
     if (s != M3_OK) return m3_err_prefix(e, "graph breakdown of op %s: ", op);
     const int sub = strchr(op, '/') != NULL;
     if (!sub) sum += ms;

@@ -152,7 +152,8 @@ void m3_forward_reset_timing(m3_forward *f);
  * whole step less the step captured without that op (what removing or fusing
  * it away could save at most).  The MoE op's launches have rows of their own
  * ("moe/router", "moe/route", "moe/gate_up", "moe/swiglu", "moe/down",
- * "moe/combine"; not in the sum).  The replays rerun the last step's kernels on
+ * "moe/combine"; not in the sum); an op that launches nothing in the step (a
+ * launch an M3KIT_MOE_FUSE fusion removed) has no row.  The replays rerun the last step's kernels on
  * whatever the buffers hold, so its cache slots and outputs are overwritten:
  * call it after the last decode step whose results matter.
  * Errors: M3_INVAL (no decode step has run as a graph; tensor parallelism:

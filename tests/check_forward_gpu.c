@@ -132,6 +132,17 @@ static void gpu_close(gpu_run *g) {
   m3_kv_free(&g->kv);
 }
 
+/* m3_forward_graph_breakdown's report as text (free() it); *st its status. */
+static char *breakdown_text(m3_forward *f, int reps, m3_status *st, m3_err *e) {
+  char *txt = NULL;
+  size_t txt_n = 0;
+  FILE *mem = open_memstream(&txt, &txt_n);
+  ck_assert_ptr_nonnull(mem);
+  *st = m3_forward_graph_breakdown(f, reps, mem, e);
+  fclose(mem);
+  return txt;
+}
+
 static double margin_top2(const float *x, int64_t n, int *top) {
   int a = fwd_argmax(x, n), b = a == 0 ? 1 : 0;
   for (int64_t i = 0; i < n; i++)
@@ -325,12 +336,8 @@ START_TEST(graph_replay_equals_eager) {
     }
     /* The op breakdown of the replayed step (runtime/forward.h): refused
      * without a graph; with one, a row per op kind of the model and the sum. */
-    char *txt = NULL;
-    size_t txt_n = 0;
-    FILE *mem = open_memstream(&txt, &txt_n);
-    ck_assert_ptr_nonnull(mem);
-    m3_status bs = m3_forward_graph_breakdown(g.f, 3, mem, &e);
-    fclose(mem);
+    m3_status bs;
+    char *txt = breakdown_text(g.f, 3, &bs, &e);
     if (!graph) {
       ck_assert_int_eq(bs, M3_INVAL);
     } else {
@@ -387,12 +394,8 @@ START_TEST(moe_fuse_norm) {
     }
     ck_assert_msg(ran == fuse, "M3KIT_MOE_FUSE=%s: %s %s", fuse ? "norm" : "(unset)", want, ran ? "ran" : "did not run");
     if (fuse) {
-      char *txt = NULL;
-      size_t txt_n = 0;
-      FILE *mem = open_memstream(&txt, &txt_n);
-      ck_assert_ptr_nonnull(mem);
-      m3_status bs = m3_forward_graph_breakdown(g.f, 2, mem, &e);
-      fclose(mem);
+      m3_status bs;
+      char *txt = breakdown_text(g.f, 2, &bs, &e);
       ck_assert_msg(bs == M3_OK, "%s", e.msg);
       ck_assert_msg(strstr(txt, "input_norm") && strstr(txt, "moe") && strstr(txt, "whole step"), "%s", txt);
       ck_assert_msg(!strstr(txt, "moe/combine"), "a row for the combine launch that norm removed:\n%s", txt);
