@@ -22,6 +22,7 @@ T.tiles = {
   {"cvt", {"alu", "hw"}},          -- e4m3 cache -> fp16: bit moves, or cvt.rn.f16x2.e4m3x2
   {"lead", {0, 1}},                -- decode: 1 = the token's metadata and an L2 prefetch of its first tiles before
                                    -- the grid wait (lib/attn_mma.lua; attn_sparse has no such tile: it reads sel first)
+  {"merge", {"fence", "acqrel"}},  -- decode: how a split hands over to the last CTA's merge (lib/attn_mma.lua MERGE)
 }
 
 function T.valid(k, t, arch)
@@ -32,10 +33,11 @@ end
 -- SM; with ctas=1 a long sequence gets 132/nkv = 33 splits per KV head, one
 -- wave of equal CTAs, each warp keeping one 8 KiB tile of loads in flight
 -- (64 KiB per SM, about twice what 4.28 TB/s x ~1 us of latency needs), and
--- the merging CTA reads only 33 partials (264 KiB) with 256 threads.
+-- the merging CTA reads only 33 partials (264 KiB) with 256 threads.  merge=acqrel: one fence round trip less a
+-- split (lib/attn_mma.lua MERGE).
 function T.default_tile(k, arch)
-  if k.mode == "decode" then return {warps = 8, ctas = 1, depth = 1, cvt = "alu", lead = 0} end
-  return {warps = 4, ctas = 1, depth = 1, cvt = "alu", lead = 0}
+  if k.mode == "decode" then return {warps = 8, ctas = 1, depth = 1, cvt = "alu", lead = 0, merge = "acqrel"} end
+  return {warps = 4, ctas = 1, depth = 1, cvt = "alu", lead = 0, merge = "fence"}
 end
 
 function T.variants(c)

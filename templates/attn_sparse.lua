@@ -21,6 +21,7 @@ T.tiles = {
   {"ctas", {1, 2, 4}},              -- decode: split-K target CTAs per SM (fill the GPU at batch 1)
   {"depth", {1, 2}},                -- decode: K/V tiles in flight a warp (lib/attn_mma.lua attend)
   {"cvt", {"alu", "hw"}},           -- e4m3 cache -> fp16: bit moves, or cvt.rn.f16x2.e4m3x2
+  {"merge", {"fence", "acqrel"}},  -- decode: how a split hands over to the last CTA's merge (lib/attn_mma.lua MERGE)
 }
 
 function T.valid(k, t, arch)
@@ -33,10 +34,11 @@ end
 -- Decode: at batch 1 a KV head's 16 x 128 selected keys make 128 16-key
 -- tiles; 8 warps per CTA with one tile each give 16 splits per KV head (64
 -- CTAs), each CTA has its whole 64 KiB in flight at once, and the merging CTA
--- reads only 16 partials (128 KiB) per head.
+-- reads only 16 partials (128 KiB) per head.  merge=acqrel: one fence round
+-- trip less a split (lib/attn_mma.lua MERGE).
 function T.default_tile(k, arch)
-  if k.mode == "decode" then return {warps = 8, ctas = 1, depth = 1, cvt = "alu"} end
-  return {warps = 4, ctas = 1, depth = 1, cvt = "alu"}
+  if k.mode == "decode" then return {warps = 8, ctas = 1, depth = 1, cvt = "alu", merge = "acqrel"} end
+  return {warps = 4, ctas = 1, depth = 1, cvt = "alu", merge = "fence"}
 end
 
 function T.variants(c)

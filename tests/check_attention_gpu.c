@@ -413,7 +413,10 @@ END_TEST
  * (the ring's first empty slot ends it), and both match the reference; a
  * tile of depth 2 with a bf16 cache is invalid (its ring would spill).  The
  * e4m3 conversion (tile cvt) is exact both ways: cvt=hw is bitwise cvt=alu,
- * at either depth; and the dense decode's lead-in (lead=1) changes no result. */
+ * at either depth; the dense decode's lead-in (lead=1) changes no result; and
+ * the split hand-over (merge=acqrel: one acq_rel ticket, the first partials
+ * loaded with (m, l)) sums the same partials in the same order as
+ * merge=fence, so it is bitwise too. */
 START_TEST(decode_ring_depths_and_cvt_agree) {
   const int sparse = _i & 1, kv8 = 1; /* depth 2 is for the e4m3 cache (valid()) */
   const int lens[] = {1, 15, 16, 17, 33, 64, 65, 300, 1000};
@@ -427,14 +430,16 @@ START_TEST(decode_ring_depths_and_cvt_agree) {
   const char *lead0 = sparse ? "" : ",lead=0"; /* attn_sparse has no lead-in */
   for (int w = 0; w < 3; w++) {
     char t1[64], c1[M3_KEY_MAX];
-    snprintf(t1, sizeof t1, "warps=%d,ctas=1,depth=1,cvt=alu%s", warps[w], lead0);
+    snprintf(t1, sizeof t1, "warps=%d,ctas=1,depth=1,cvt=alu%s,merge=fence", warps[w], lead0);
     m3_bf16 *a = prob_gpu(&p, sparse, M3_ATTN_DECODE, t1, c1, sizeof c1);
     expect_close(a, ref, n, "depth 1", c1);
     static const char *const other[] = {"depth=2,cvt=alu", "depth=1,cvt=hw", "depth=2,cvt=hw"};
-    for (int o = 0; o < 3 + !sparse; o++) { /* dense: the lead-in too (its reads before the wait change nothing) */
+    static const char *const acqrel[] = {"depth=1,cvt=alu", "depth=2,cvt=hw", "depth=1,cvt=hw"};
+    for (int o = 0; o < 3 + 3 + !sparse; o++) { /* dense: the lead-in too (its reads before the wait change nothing) */
       char t2[64], c2[M3_KEY_MAX];
-      if (o < 3) snprintf(t2, sizeof t2, "warps=%d,ctas=1,%s%s", warps[w], other[o], lead0);
-      else snprintf(t2, sizeof t2, "warps=%d,ctas=1,depth=2,cvt=hw,lead=1", warps[w]);
+      if (o < 3) snprintf(t2, sizeof t2, "warps=%d,ctas=1,%s%s,merge=fence", warps[w], other[o], lead0);
+      else if (o < 6) snprintf(t2, sizeof t2, "warps=%d,ctas=1,%s%s,merge=acqrel", warps[w], acqrel[o - 3], lead0);
+      else snprintf(t2, sizeof t2, "warps=%d,ctas=1,depth=2,cvt=hw,lead=1,merge=acqrel", warps[w]);
       m3_bf16 *b = prob_gpu(&p, sparse, M3_ATTN_DECODE, t2, c2, sizeof c2);
       ck_assert_msg(!memcmp(a, b, n * 2), "%s: differs from %s", c2, c1);
       free(b);
@@ -444,8 +449,8 @@ START_TEST(decode_ring_depths_and_cvt_agree) {
   { /* the prefill schedule's conversion too */
     char c1[M3_KEY_MAX], c2[M3_KEY_MAX];
     char t1[64], t2[64];
-    snprintf(t1, sizeof t1, "warps=4,ctas=1,depth=1,cvt=alu%s", lead0);
-    snprintf(t2, sizeof t2, "warps=4,ctas=1,depth=1,cvt=hw%s", lead0);
+    snprintf(t1, sizeof t1, "warps=4,ctas=1,depth=1,cvt=alu%s,merge=fence", lead0);
+    snprintf(t2, sizeof t2, "warps=4,ctas=1,depth=1,cvt=hw%s,merge=fence", lead0);
     m3_bf16 *a = prob_gpu(&p, sparse, M3_ATTN_PREFILL, t1, c1, sizeof c1);
     m3_bf16 *b = prob_gpu(&p, sparse, M3_ATTN_PREFILL, t2, c2, sizeof c2);
     expect_close(a, ref, n, "prefill", c1);
@@ -460,9 +465,52 @@ START_TEST(decode_ring_depths_and_cvt_agree) {
   ck_assert_int_eq(sparse ? m3_attn_sparse_key(&a, M3_ATTN_DECODE, &v, &e) : m3_attn_dense_key(&a, M3_ATTN_DECODE, &v, &e),
                    M3_OK);
   snprintf(v.arch, sizeof v.arch, "%s", g_rt.dev.arch);
-  ck_assert_int_eq(m3_variant_parse_tile(&v, sparse ? "warps=8,ctas=1,depth=2,cvt=alu" : "warps=8,ctas=1,depth=2,cvt=alu,lead=0",
+  ck_assert_int_eq(m3_variant_parse_tile(&v, sparse ? "warps=8,ctas=1,depth=2,cvt=alu,merge=fence" : "warps=8,ctas=1,depth=2,cvt=alu,lead=0,merge=fence",
                                          &e), M3_OK);
   ck_assert_int_eq(m3_render_valid(g_rt.jit.lua, &v, NULL, 0, &e), M3_TILE);
+  free(ref);
+  prob_free(&p);
+}
+END_TEST
+
+/* The split hand-over (tile merge): one token per sequence and ctas=4, so
+ * even the emulator's 4 SMs give several splits per (token, KV head), and
+ * with 1-2 warps the merging CTA loads more splits than its first batch
+ * (MERGE_U), so merge=acqrel's loop after the prefetched batch runs too.
+ * Both hand-overs give the same bits, and the reference's answer. */
+START_TEST(decode_split_merges_agree) {
+  const int sparse = _i & 1, kv8 = (_i >> 1) & 1;
+  const int lens[] = {1000, 70};
+  prob p;
+  prob_make(&p, TINY, kv8, lens, 2, 0, 0, 0, 1.0f, 680 + _i);
+  prob_select(&p, 0, 680 + _i);
+  prob_upload(&p);
+  m3_bf16 *ref = prob_ref(&p, sparse);
+  const size_t n = (size_t)p.n_tokens * TINY.nq * HD;
+  const char *lead = sparse ? "" : ",lead=0";
+  for (int w = 1; w <= 2; w++) {
+    char t1[96], t2[96], c1[M3_KEY_MAX], c2[M3_KEY_MAX];
+    snprintf(t1, sizeof t1, "warps=%d,ctas=4,depth=1,cvt=alu%s,merge=fence", w, lead);
+    snprintf(t2, sizeof t2, "warps=%d,ctas=4,depth=1,cvt=alu%s,merge=acqrel", w, lead);
+    m3_bf16 *a = prob_gpu(&p, sparse, M3_ATTN_DECODE, t1, c1, sizeof c1);
+    m3_bf16 *b = prob_gpu(&p, sparse, M3_ATTN_DECODE, t2, c2, sizeof c2);
+    { /* the plan has a merge: a decode workspace is needed only with 2+ splits */
+      m3_attn_args aa = prob_args(&p);
+      m3_variant v;
+      m3_err e;
+      m3_kernel *k;
+      ck_assert_int_eq(sparse ? m3_attn_sparse_key(&aa, M3_ATTN_DECODE, &v, &e) : m3_attn_dense_key(&aa, M3_ATTN_DECODE, &v, &e),
+                       M3_OK);
+      ck_assert_int_eq(m3_variant_parse_tile(&v, t2, &e), M3_OK);
+      GPU_CHECK(m3_rt_kernel(&g_rt, &v, NULL, &k, &e_));
+      ck_assert_msg(m3_attn_workspace_bytes(k, &aa, p.max_kv_len, g_rt.dev.sm_count) > 0,
+                    "%s: planned one split only (no merge to test)", c2);
+    }
+    expect_close(b, ref, n, "merge", c2);
+    ck_assert_msg(!memcmp(a, b, n * 2), "%s: differs from %s", c2, c1);
+    free(a);
+    free(b);
+  }
   free(ref);
   prob_free(&p);
 }
@@ -543,6 +591,7 @@ static Suite *make(void) {
   tcase_add_loop_test(tc, prefill_chunk_with_context, 0, 4);
   tcase_add_loop_test(tc, small_gqa_group, 0, 4);
   tcase_add_loop_test(tc, decode_ring_depths_and_cvt_agree, 0, 2);
+  tcase_add_loop_test(tc, decode_split_merges_agree, 0, 4);
   tcase_add_loop_test(tc, every_valid_tile_same_answer, 0, 8);
   tcase_add_test(tc, launch_rejects_bad_arguments);
   suite_add_tcase(s, tc);

@@ -88,11 +88,13 @@ START_TEST(invalid_combinations_have_reasons) {
   expect_invalid("qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=bf16,nq=64,nkv=4,niq=4,hd=64,rot=64,bs=128)[warps=4,hpw=1,lph=32]@sm_90", "head_dim must be 128");
   expect_invalid("qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=bf16,nq=64,nkv=4,niq=4,hd=128,rot=60,bs=128)[warps=4,hpw=1,lph=32]@sm_90", "multiple of 8");
   expect_invalid("qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=bf16,nq=64,nkv=3,niq=4,hd=128,rot=64,bs=128)[warps=4,hpw=1,lph=32]@sm_90", "divide");
-  expect_invalid("attn_dense(mode=decode,kv=bf16,nq=0,nkv=4,hd=128,bs=128)[warps=8,ctas=1,depth=1,cvt=alu,lead=0]@sm_90", "positive");
-  expect_invalid("attn_dense(mode=decode,kv=bf16,nq=64,nkv=4,hd=128,bs=128)[warps=8,ctas=1,depth=2,cvt=alu,lead=0]@sm_90", "e4m3");
-  expect_invalid("attn_sparse(mode=decode,kv=bf16,nq=64,nkv=4,hd=128,bs=128,topk=16)[warps=8,ctas=1,depth=1,cvt=hw]@sm_90", "e4m3 only");
-  expect_invalid("attn_dense(mode=decode,kv=e4m3,nq=64,nkv=4,hd=128,bs=128)[warps=8,ctas=1,depth=1,cvt=hw,lead=0]@sm_80", "sm_89");
-  expect_invalid("attn_dense(mode=prefill,kv=bf16,nq=64,nkv=4,hd=128,bs=128)[warps=4,ctas=1,depth=1,cvt=alu,lead=1]@sm_90", "decode");
+  expect_invalid("attn_dense(mode=decode,kv=bf16,nq=0,nkv=4,hd=128,bs=128)[warps=8,ctas=1,depth=1,cvt=alu,lead=0,merge=fence]@sm_90", "positive");
+  expect_invalid("attn_dense(mode=decode,kv=bf16,nq=64,nkv=4,hd=128,bs=128)[warps=8,ctas=1,depth=2,cvt=alu,lead=0,merge=fence]@sm_90", "e4m3");
+  expect_invalid("attn_sparse(mode=decode,kv=bf16,nq=64,nkv=4,hd=128,bs=128,topk=16)[warps=8,ctas=1,depth=1,cvt=hw,merge=fence]@sm_90", "e4m3 only");
+  expect_invalid("attn_dense(mode=decode,kv=e4m3,nq=64,nkv=4,hd=128,bs=128)[warps=8,ctas=1,depth=1,cvt=hw,lead=0,merge=fence]@sm_80", "sm_89");
+  expect_invalid("attn_dense(mode=prefill,kv=bf16,nq=64,nkv=4,hd=128,bs=128)[warps=4,ctas=1,depth=1,cvt=alu,lead=1,merge=fence]@sm_90", "decode");
+  expect_invalid("attn_sparse(mode=prefill,kv=bf16,nq=64,nkv=4,hd=128,bs=128,topk=16)[warps=4,ctas=1,depth=1,cvt=alu,merge=acqrel]@sm_90",
+                 "decode only");
   expect_invalid("index_decode(idxk=bf16,heads=4,hd=128,bs=128,topk=16,init=0,local=1)[warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=1,merge=fence]@sm_80", "sm_90");
   expect_invalid(QK "[warps=4,hpw=1,lph=32]@sm_75", "sm_80");
 }

@@ -394,7 +394,7 @@ M3_DEV void st_bf16x4(bf16_t *p, float a, float b, float c, float d) {
   *(uint2 *)p = u;
 }
 
-$lead_defs
+$lead_defs$merge_defs
 extern "C" __global__ void __launch_bounds__(NW * 32)
 $sym(const bf16_t *__restrict__ q,          /* [N, NQ, HD] */
      const kv_t *__restrict__ kv,            /* [num_pages, NKV, BS, 2*HD] */
@@ -501,20 +501,7 @@ $wait_late
     pm[0] = sM[threadIdx.x];
     pm[1] = sL[threadIdx.x];
   }
-  /* Last CTA of this (token, KV head) merges: partials are published before
-   * the ticket (fence, then atomic), read after it through L2 (.cg). */
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int prev = atomicAdd(counters + pair, 1);
-    const int last = prev == nsplit - 1;
-    if (last) counters[pair] = 0;               /* ready for the next launch */
-    *sflag = last;
-    __threadfence();
-  }
-  __syncthreads();
-  if (!*sflag) return;
-  /* Factors 2^(m_k - M) per (split, row) and the partial sums, staged in
+$publish  /* Factors 2^(m_k - M) per (split, row) and the partial sums, staged in
    * the (now free) warp-output area: 2 * nsplit * 16 <= NW * 16 * HD floats,
    * hence the launcher's cap of NW * HD / 2 splits.  One L2 round trip for
    * (m, l); the second pass reads shared memory only. */
@@ -827,6 +814,59 @@ local LEAD_WAIT = [[
   }
   M3_GRID_WAIT(); /* q and the keys after it */]]
 
+-- How a decode split hands over to the merge (tile merge), as in
+-- index_decode.lua.  fence: every thread fences (seq_cst, gpu scope) before
+-- thread 0's atomicAdd, and thread 0 fences again after it.  acqrel: one
+-- atom.acq_rel.gpu by thread 0 between two barriers (its release covers the
+-- other threads' stores, which the barrier ordered before it, and its
+-- acquire the other threads' later loads, as in CUTLASS's semaphore): one
+-- fence round trip less on every split's way out, 0.4-0.6 us a launch and
+-- 0.03 ms a decode step at 8K and 128K on an H100 (device runs 60, 61).  Both sum
+-- the same partials in the same order: the same bits.  (Requesting the
+-- merging CTA's first partials together with (m, l), one L2 round trip
+-- less, measured slower in those runs: its registers cost the e4m3 tiles
+-- an SM's third CTA and its predicated loads more issue than they saved.)
+local MERGE = {
+  fence = {defs = "", publish = [[
+  /* Last CTA of this (token, KV head) merges: partials are published before
+   * the ticket (fence, then atomic), read after it through L2 (.cg). */
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int prev = atomicAdd(counters + pair, 1);
+    const int last = prev == nsplit - 1;
+    if (last) counters[pair] = 0;               /* ready for the next launch */
+    *sflag = last;
+    __threadfence();
+  }
+  __syncthreads();
+  if (!*sflag) return;
+]]},
+  acqrel = {defs = [[
+/* atomicAdd with release (earlier stores, the barrier's included, are seen
+ * first) and acquire (later loads see what the releases published). */
+M3_DEV int atom_add_acq_rel(int *p, int v) {
+#ifdef __CUDA_ARCH__
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+#else
+  return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL);
+#endif
+}
+]], publish = [[
+  /* Last CTA of this (token, KV head) merges (tile merge=acqrel). */
+  __syncthreads(); /* every thread's partial stores come before thread 0's release */
+  if (threadIdx.x == 0) {
+    const int last = atom_add_acq_rel(counters + pair, 1) == nsplit - 1;
+    if (last) counters[pair] = 0;               /* ready for the next launch */
+    *sflag = last;
+  }
+  __syncthreads(); /* and thread 0's acquire before every thread's reads of the other splits' */
+  if (!*sflag) return;
+]]},
+}
+
 -- Dynamic shared memory of a tile (bytes): decode merges NW warps' fp32
 -- outputs (and later reuses the area for the split factors); prefill stages
 -- each warp's bf16 output rows.
@@ -851,6 +891,9 @@ function A.valid_common(k, t, arch)
   end
   if t.cvt == "hw" and k.kv ~= "e4m3" then return false, "cvt=hw converts e4m3 only: a bf16 cache needs no conversion (cvt=alu)" end
   if t.cvt == "hw" and m3.sm(arch) < 89 then return false, "cvt.rn.f16x2.e4m3x2 needs sm_89+" end
+  if t.merge ~= "fence" and k.mode ~= "decode" then
+    return false, "merge (the split-K hand-over) applies to decode only: use merge=fence for prefill"
+  end
   if t.lead == 1 and k.mode ~= "decode" then return false, "lead=1 is for the decode schedule (prefill has no lead-in)" end
   if t.lead == 1 and m3.sm(arch) < 90 then return false, "lead=1 overlaps the previous kernel through programmatic dependent launch (sm_90+)" end
   if t.depth ~= 1 and k.kv ~= "e4m3" then
@@ -867,6 +910,7 @@ function A.render(k, t, arch, sym, sparse, topk)
     attend_fns = A.attend_fns(t.depth, t.cvt),
     wait_top = t.lead == 1 and LEAD_IN or WAIT, wait_late = t.lead == 1 and LEAD_WAIT or "",
     lead_defs = t.lead == 1 and LEAD.defs or "", -- attn_sparse has no lead axis (t.lead nil): it reads sel first
+    merge_defs = MERGE[t.merge].defs, publish = MERGE[t.merge].publish,
     attend = t.depth > 1 and ("attend_ring<" .. t.depth .. ">") or "attend",
   }
   local src = A.body:gsub("%$([%w_]+)", function(n)
