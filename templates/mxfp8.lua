@@ -589,15 +589,18 @@ $wait
   /* The route epilogue: the CTA whose count completes the grid selects every
    * token's experts from the logits all CTAs wrote (read back through L2 into
    * shared memory: route_token's plain loads then see this launch's values),
-   * and zeroes the count for the next launch. */
+   * and zeroes the count for the next launch.  The count is one acq_rel
+   * atomic by thread 0 between two barriers (its release covers the CTA's
+   * logit stores, which the barrier ordered before it; its acquire the CTA's
+   * reads after the second barrier), not seq_cst fences by every thread: the
+   * attention's split hand-over measured 0.4-0.6 us a launch less that way
+   * (lib/attn_mma.lua MERGE). */
   __shared__ unsigned s_last;
   __shared__ float s_lg[NMAX * ROUTE_E];
-  __threadfence();   /* this CTA's logits device-wide before its count */
   __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(rcnt, 1u) == gridDim.x - 1u;
+  if (threadIdx.x == 0) s_last = route_ticket(rcnt) == gridDim.x - 1u;
   __syncthreads();
   if (!s_last) return;
-  __threadfence();
   for (int i = threadIdx.x; i < n * ROUTE_E; i += WARPS * 32) s_lg[i] = __ldcg((const float *)y + i);
   __syncthreads();
   for (int t = warp; t < n; t += WARPS) route_token(t, s_lg, rbias, rids, rw, rscale, lane);
@@ -1307,11 +1310,24 @@ local function shared_lead(k, t) return t.lead == 1 and k.moe == 1 and k.settled
 
 -- The router GEMV's route epilogue (route_e > 0): lib/route.lua's selection
 -- on the key's experts, top-k and renorm; fp32 logits.
+-- atomicAdd(p, 1) with release (earlier stores, the barrier's included, are
+-- seen first) and acquire (later loads see what the releases published).
+local ROUTE_TICKET = [==[
+M3_DEV unsigned route_ticket(unsigned *p) {
+#ifdef __CUDA_ARCH__
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
+  return old;
+#else
+  return __atomic_fetch_add(p, 1u, __ATOMIC_ACQ_REL);
+#endif
+}
+]==]
 local function route_defs(k)
   if k.route_e == 0 then return "" end
   return string.format("#define E %d\n#define K %d\n#define EPL ((E + 31) / 32)\n#define RENORM %d\n" ..
                        "#define LOGITS_BF16 0\n#ifndef FULL\n#define FULL 0xffffffffu\n#endif\n",
-                       k.route_e, k.route_k, k.route_renorm) .. R.beats .. R.route_token
+                       k.route_e, k.route_k, k.route_renorm) .. R.beats .. R.route_token .. ROUTE_TICKET
 end
 local ROUTE_PARAMS = ",\n     const float *__restrict__ rbias, int *__restrict__ rids, float *__restrict__ rw, " ..
                      "unsigned *__restrict__ rcnt, float rscale"
