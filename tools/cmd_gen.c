@@ -27,6 +27,7 @@ static void help(void) {
       "  --compile KEY          compile KEY and report its code hash, cubin size, registers, spills\n"
       "  --cubin FILE           with --compile: also write the cubin to FILE (for cuobjdump -sass)\n"
       "  --tiles KEY            list every tile of KEY with its valid() verdict and reason\n"
+      "  --valid-only           with --tiles: list the valid tiles only (a GEMV key has ~54,000 tiles, ~1,100 valid)\n"
       "  --all                  render and compile every needed variant (default tiles) for --arch,\n"
       "                         through the cubin cache; with --every-tile, every valid tile too\n"
       "  --arch LIST            SM archs, comma separated (default sm_90), e.g. sm_80,sm_90a,sm_120\n"
@@ -80,10 +81,11 @@ int cmd_gen(int argc, char **argv) {
       {"emit", required_argument, 0, 'e'},  {"compile", required_argument, 0, 'c'},
       {"tiles", required_argument, 0, 't'}, {"all", no_argument, 0, 'a'},
       {"every-tile", no_argument, 0, 'E'},  {"arch", required_argument, 0, 'A'},
+      {"valid-only", no_argument, 0, 'V'},
       {"preset", required_argument, 0, 'p'},{"model", required_argument, 0, 'm'},
       {"jobs", required_argument, 0, 'j'},  {"cubin", required_argument, 0, 'C'},
       {"help", no_argument, 0, 'h'},        {0, 0, 0, 0}};
-  int action = 'l', chosen = 0, every = 0, arch_given = 0, c, jobs_n = (int)sysconf(_SC_NPROCESSORS_ONLN);
+  int action = 'l', chosen = 0, every = 0, valid_only = 0, arch_given = 0, c, jobs_n = (int)sysconf(_SC_NPROCESSORS_ONLN);
   const char *key = NULL, *archs = "sm_90", *preset = "minimax-m3", *model = NULL, *cubin_out = NULL;
   optind = 1;
   while ((c = getopt_long(argc, argv, "hj:", opts, NULL)) != -1) {
@@ -97,6 +99,7 @@ int cmd_gen(int argc, char **argv) {
         if (c == 'e' || c == 'c' || c == 't') key = optarg;
         break;
       case 'E': every = 1; break;
+      case 'V': valid_only = 1; break;
       case 'C': cubin_out = optarg; break;
       case 'A': archs = optarg, arch_given = 1; break;
       case 'p': preset = optarg; break;
@@ -113,6 +116,10 @@ int cmd_gen(int argc, char **argv) {
   }
   if (optind < argc) {
     fprintf(stderr, "m3kit gen: unexpected argument '%s' (--help)\n", argv[optind]);
+    return 2;
+  }
+  if (valid_only && action != 't') {
+    fprintf(stderr, "m3kit gen: --valid-only goes with --tiles\n");
     return 2;
   }
   if (every && action != 'a') {
@@ -229,6 +236,7 @@ int cmd_gen(int argc, char **argv) {
         m3_err ve;
         s = m3_render_valid(j.lua, &tiles[i], why, sizeof why, &ve);
         nvalid += s == M3_OK;
+        if (valid_only && s != M3_OK) continue;
         printf("  [%s]  %s%s%s%s\n", t, s == M3_OK ? "VALID" : "INVALID", s == M3_OK ? "" : ": ", s == M3_OK ? "" : why,
                strcmp(t, deft) ? "" : "  (default)");
       }

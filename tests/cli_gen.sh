@@ -1,0 +1,28 @@
+#!/bin/sh
+# cli_gen.sh - `m3kit gen --tiles` and its --valid-only filter (tools/cmd_gen.c),
+# no GPU: the filtered list is exactly the VALID rows of the full one, with the
+# same count line; --valid-only without --tiles is refused (exit 2); and the
+# verdicts carry valid()'s reasons (merge=acqrel is decode-only).
+set -eu
+m3kit=${M3KIT_BIN:-./m3kit} # make check exports M3KIT_BIN (Makefile.am)
+fail() { echo "cli_gen.sh: $*" >&2; exit 1; }
+dec='attn_sparse(mode=decode,kv=e4m3,nq=64,nkv=4,hd=128,bs=128,topk=16)'
+pre='attn_sparse(mode=prefill,kv=e4m3,nq=64,nkv=4,hd=128,bs=128,topk=16)'
+all=$("$m3kit" gen --tiles "$dec")
+only=$("$m3kit" gen --tiles "$dec" --valid-only)
+[ "$(printf '%s\n' "$all" | grep '  VALID')" = "$(printf '%s\n' "$only" | grep '^  \[')" ] ||
+  fail "--valid-only rows are not the full list's VALID rows"
+printf '%s\n' "$only" | grep -q INVALID && fail "--valid-only listed an INVALID tile"
+[ "$(printf '%s\n' "$all" | tail -n 1)" = "$(printf '%s\n' "$only" | tail -n 1)" ] || fail "the count lines differ"
+n=$(printf '%s\n' "$only" | grep -c '^  \[')
+[ "$n" -gt 1 ] || fail "only $n valid decode tiles"
+printf '%s\n' "$only" | grep -q 'merge=acqrel' || fail "no valid merge=acqrel decode tile"
+printf '%s\n' "$only" | grep -q 'merge=acqrel.*(default)' || fail "the decode default is not merge=acqrel"
+pa=$("$m3kit" gen --tiles "$pre" | grep 'merge=acqrel') || fail "no prefill merge=acqrel tile listed"
+printf '%s\n' "$pa" | grep -q '  VALID' && fail "a prefill merge=acqrel tile is valid"
+printf '%s\n' "$pa" | grep -q 'INVALID: merge (the split-K hand-over) applies to decode only' ||
+  fail "no prefill merge=acqrel tile gives valid()'s reason"
+rc=0
+"$m3kit" gen --valid-only > /dev/null 2>&1 || rc=$?
+[ "$rc" = 2 ] || fail "--valid-only without --tiles: exit $rc, want 2"
+echo "cli_gen.sh: $n valid decode tiles listed alike"
