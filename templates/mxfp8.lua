@@ -87,7 +87,7 @@ T.axes = {
   -- last CTA to finish reads the logits [n, route_e] back from L2 and selects
   -- each token's route_k experts exactly as moe_route's route stage
   -- (lib/route.lua, m3_ref_route): a launch a MoE layer fewer, but no faster
-  -- on an H100 (device runs 58-59: runtime/op_ffn.c).  0 = none.
+  -- on an H100 (device runs 58-59, 65: runtime/op_ffn.c).  0 = none.
   {"route_e", "int"},               -- experts = the GEMV's rows
   {"route_k", "int"},               -- top-k
   {"route_renorm", {0, 1}},         -- 1: weights renormalised over the chosen (M3)
@@ -592,9 +592,10 @@ $wait
    * and zeroes the count for the next launch.  The count is one acq_rel
    * atomic by thread 0 between two barriers (its release covers the CTA's
    * logit stores, which the barrier ordered before it; its acquire the CTA's
-   * reads after the second barrier), not seq_cst fences by every thread: the
-   * attention's split hand-over measured 0.4-0.6 us a launch less that way
-   * (lib/attn_mma.lua MERGE). */
+   * reads after the second barrier), not seq_cst fences by every thread, as
+   * the attention's split hand-over (lib/attn_mma.lua MERGE: 0.4-0.6 us a
+   * launch less); here -0.06 ms a step at 8K, within the spread (device run
+   * 65). */
   __shared__ unsigned s_last;
   __shared__ float s_lg[NMAX * ROUTE_E];
   __syncthreads();
