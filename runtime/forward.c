@@ -374,10 +374,12 @@ static m3_status forward_body(m3_forward *f, const step *st, int logit_row0, m3_
   M3_TRY(m3_embed_key(c->hidden_size, &v, e));
   M3_TRY(kern(f, &v, st->n, 0, &k, e));
   OP("embed", m3_launch_embed(k, st->n, c->hidden_size, c->vocab_size, f->d_ids, m->embed, f->r, f->d_err, f->s, e));
+  M3_TRY(check_out(f, -1, "embed", f->r, (int64_t)st->n * c->hidden_size, DT_BF16, e));
   M3_TRY(m3_rmsnorm_key(0, 0, c->hidden_size, &v, e));
   M3_TRY(kern(f, &v, st->n, 0, &k, e));
   OP("input_norm", m3_launch_rmsnorm(k, st->n, c->hidden_size, f->r, m->layers[0].input_norm, (float)c->rms_norm_eps,
                                      f->a, NULL, f->s, e));
+  M3_TRY(check_out(f, 0, "input_norm", f->a, (int64_t)st->n * c->hidden_size, DT_BF16, e));
   for (int l = 0; l < c->num_hidden_layers; l++) {
     if (m->layers[l].sparse) M3_TRY(sparse_layer(f, st, l, e));
     else M3_TRY(dense_layer(f, st, l, e));
