@@ -56,13 +56,19 @@ m3_status m3_mkdirs(const char *path, m3_err *e) {
 m3_status m3_read_file(const char *path, uint8_t **data, size_t *len, m3_err *e) {
   *data = NULL;
   *len = 0;
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  /* O_NONBLOCK: a FIFO is refused below instead of blocking the open on a
+   * writer; on a regular file the flag changes nothing. */
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0)
     return m3_errf(e, errno == ENOENT ? M3_NOTFOUND : M3_IO, "%s: %s", path, strerror(errno));
   struct stat st;
   if (fstat(fd, &st) != 0) {
     close(fd);
     return m3_errf(e, M3_IO, "%s: stat: %s", path, strerror(errno));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    close(fd);
+    return m3_errf(e, M3_IO, "%s: %s", path, S_ISDIR(st.st_mode) ? "is a directory, not a file" : "not a regular file");
   }
   size_t n = (size_t)st.st_size;
   uint8_t *buf = malloc(n + 1);
@@ -126,7 +132,13 @@ m3_status m3_write_atomic(const char *link, const void *data, size_t len, m3_err
            __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED));
   int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return m3_errf(e, M3_IO, "%s: cannot create temp file: %s", tmp, strerror(errno));
-  m3_status s = write_all(fd, data, len, tmp, e);
+  m3_status s = M3_OK;
+  /* A replaced file keeps its mode (a user's 0600 tuning DB stays private);
+   * a new one gets 0644 less the umask. */
+  struct stat old;
+  if (stat(path, &old) == 0 && fchmod(fd, old.st_mode & 07777) != 0)
+    s = m3_errf(e, M3_IO, "%s: fchmod: %s", tmp, strerror(errno));
+  if (s == M3_OK) s = write_all(fd, data, len, tmp, e);
   if (s == M3_OK && fsync(fd) != 0) s = m3_errf(e, M3_IO, "%s: fsync: %s", tmp, strerror(errno));
   if (close(fd) != 0 && s == M3_OK) s = m3_errf(e, M3_IO, "%s: close: %s", tmp, strerror(errno));
   if (s == M3_OK && rename(tmp, path) != 0)

@@ -28,12 +28,15 @@ m3_status m3_cache_root(char *buf, size_t n, m3_err *e);
 m3_status m3_mkdirs(const char *path, m3_err *e);
 
 /* Read the whole file into a malloc'd buffer (NUL-terminated one byte past
- * *len for text convenience).  Errors: M3_NOTFOUND if absent, M3_IO otherwise. */
+ * *len for text convenience).  Errors: M3_NOTFOUND if absent; M3_IO
+ * otherwise, and for anything but a regular file (a directory, a FIFO: refused
+ * without blocking), naming the path. */
 m3_status m3_read_file(const char *path, uint8_t **data, size_t *len, m3_err *e);
 
 /* Atomically replace `path` with `len` bytes (temp file + fsync + rename, then
  * fsync of the directory).  A symlink is followed: its target is replaced and
- * the link stays.  Errors: M3_IO (ENOSPC, EROFS, a dangling symlink, ...)
+ * the link stays.  A replaced file keeps its permission bits; a new one is
+ * created 0644 less the umask.  Errors: M3_IO (ENOSPC, EROFS, a dangling symlink, ...)
  * naming the path; on error `path` is untouched and the temp file is removed. */
 m3_status m3_write_atomic(const char *path, const void *data, size_t len, m3_err *e);
 

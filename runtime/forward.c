@@ -18,6 +18,7 @@
 #include "runtime/op_ffn.h"
 #include "runtime/op_indexer.h"
 #include "runtime/harness.h"
+#include "runtime/log.h"
 #include "runtime/ops.h"
 
 #define MAX_OPS 64        /* distinct op names in the timing table */
@@ -758,8 +759,7 @@ m3_status m3_forward_create(m3_rt *rt, const m3_model *m, m3_kv_cache *kv, const
   if (!f->o.max_chunk) f->o.max_chunk = 256;
   f->s = rt->stream;
   if (f->o.check_numerics < 0) {
-    const char *env = getenv("M3KIT_CHECK_NUMERICS");
-    f->check = env && *env && strcmp(env, "0") != 0;
+    f->check = m3_env_flag("M3KIT_CHECK_NUMERICS");
   } else {
     f->check = f->o.check_numerics;
   }

@@ -109,8 +109,8 @@ m3_status m3_module_load(const uint8_t *cubin, size_t size, const m3_cubin_meta 
    * M3_GRID_WAIT, lib/prelude.lua).  Device run 24: TPOT 3.1-4.8% lower with
    * it; every GPU test runs under it. */
   int bin = 0;
-  const char *pdl = getenv("M3KIT_PDL");
-  out->pdl = !(pdl && *pdl == '0') &&
+  const char *pdl = getenv("M3KIT_PDL"); /* on unless "0": unset means the default, on */
+  out->pdl = !(pdl && !strcmp(pdl, "0")) &&
              m3_drv.cuFuncGetAttribute(&bin, CU_FUNC_ATTRIBUTE_BINARY_VERSION, out->fn) == CUDA_SUCCESS && bin >= 90;
   snprintf(out->entry, sizeof out->entry, "%s", meta->entry);
   return M3_OK;

@@ -153,8 +153,8 @@ m3_status m3_jit_build_rendered(m3_jit *j, const m3_variant *v, const m3_source 
     __atomic_fetch_add(&j->corrupt, 1, __ATOMIC_RELAXED);
     unlink(path);
   }
-  if (getenv("M3KIT_NO_JIT") && strcmp(getenv("M3KIT_NO_JIT"), "0")) {
-    s = m3_errf(e, M3_NOJIT, "M3KIT_NO_JIT=1 and no cached cubin for %s (cache entry %s)", src.key, path);
+  if (m3_env_flag("M3KIT_NO_JIT")) {
+    s = m3_errf(e, M3_NOJIT, "M3KIT_NO_JIT is set and no cached cubin for %s (cache entry %s)", src.key, path);
     goto done;
   }
   int lockfd = -1;

@@ -19,10 +19,12 @@ void m3_log_set(m3_log_fn fn, void *user) {
   sink_user = user;
 }
 
-int m3_log_verbose(void) {
-  const char *v = getenv("M3KIT_VERBOSE");
+int m3_env_flag(const char *name) {
+  const char *v = getenv(name);
   return v && *v && strcmp(v, "0");
 }
+
+int m3_log_verbose(void) { return m3_env_flag("M3KIT_VERBOSE"); }
 
 static void emit(int level, const char *msg) {
   if (sink) sink(level, msg, sink_user);

@@ -14,5 +14,9 @@ void m3_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void m3_warn_once(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* Verbosity for m3_info: 0 quiet (default), 1 verbose (M3KIT_VERBOSE=1). */
 int m3_log_verbose(void);
+/* An on/off environment variable (M3KIT_VERBOSE, M3KIT_NO_JIT, ...): on when
+ * set to anything but the empty string or "0", so that VAR= and VAR=0 both
+ * mean off, the same for every flag. */
+int m3_env_flag(const char *name);
 
 #endif

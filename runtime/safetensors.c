@@ -216,7 +216,9 @@ static m3_status open_file(m3_st *st, const char *path, m3_err *e) {
   if (!(f->path = strdup(path))) return m3_errf(e, M3_NOMEM, "%s: out of memory", path);
   st->nfiles++; /* from here on m3_st_close cleans up f */
 
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  /* O_NONBLOCK: a FIFO is refused below instead of blocking the open on a
+   * writer; on a regular file the flag changes nothing. */
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0)
     return m3_errf(e, errno == ENOENT ? M3_NOTFOUND : M3_IO, "%s: %s", path, strerror(errno));
   struct stat sb;

@@ -726,6 +726,41 @@ START_TEST(symlinked_db_updated_at_its_target) {
 }
 END_TEST
 
+/* A rewritten DB keeps its permission bits (a user's private 0600 file
+ * stays private; the atomic write's temp file was once always 0644), and the
+ * reader refuses a FIFO without blocking on it, and a directory by name. */
+START_TEST(rewrite_keeps_mode_and_reader_refuses_non_files) {
+  char *dir = tmpdir(), path[600], fifo[600];
+  snprintf(path, sizeof path, "%s/sm_90.json", dir);
+  m3_tunedb *db = m3_tunedb_new();
+  put_simple(db, "qknorm_rope(a=1)", "tokens=1", "warps=2");
+  save_ok(path, db);
+  ck_assert_int_eq(chmod(path, 0600), 0);
+  put_simple(db, "qknorm_rope(a=2)", "tokens=1", "warps=4");
+  save_ok(path, db);
+  struct stat st;
+  ck_assert_int_eq(stat(path, &st), 0);
+  ck_assert_msg((st.st_mode & 07777) == 0600, "mode %o after a rewrite, was 0600", st.st_mode & 07777);
+  m3_tunedb_free(db);
+
+  snprintf(fifo, sizeof fifo, "%s/fifo.json", dir);
+  ck_assert_int_eq(mkfifo(fifo, 0600), 0);
+  uint8_t *data;
+  size_t len;
+  m3_err e = {0};
+  alarm(20); /* a blocking open would hang here: fail instead */
+  ck_assert_int_eq(m3_read_file(fifo, &data, &len, &e), M3_IO);
+  alarm(0);
+  ck_assert_msg(strstr(e.msg, fifo) && strstr(e.msg, "not a regular file"), "%s", e.msg);
+  ck_assert_int_eq(m3_read_file(dir, &data, &len, &e), M3_IO);
+  ck_assert_msg(strstr(e.msg, "is a directory"), "%s", e.msg);
+  ck_assert_int_eq(m3_read_file(path, &data, &len, &e), M3_OK);
+  free(data);
+  unlink(fifo);
+  rm_tree(dir);
+}
+END_TEST
+
 /* --rehash: records with a current template and no hash of this scheme get
  * their tile's; records whose template changed but not their code get the
  * current template hash; the file is edited in place under the lock (order,
@@ -1159,6 +1194,7 @@ int main(void) {
   tcase_add_test(load, code_hash_decides_where_present);
   tcase_add_test(load, add_code_hashes_in_place);
   tcase_add_test(load, symlinked_db_updated_at_its_target);
+  tcase_add_test(load, rewrite_keeps_mode_and_reader_refuses_non_files);
   tcase_add_test(load, unknown_fields_tolerated_and_kept);
   tcase_add_test(load, malformed_records_skipped_and_counted);
   tcase_add_test(load, newer_version_ignored_not_overwritten);

@@ -12,14 +12,14 @@
 #include "runtime/cuda_driver.h"
 #include "runtime/harness.h"
 #include "runtime/kernels.h"
+#include "runtime/log.h"
 
 /* 1 for a reduced run: in the tests/emu_* programs (kernels run on the CPU
  * emulator, emu/emu.h), and on a GPU with M3KIT_SMALL=1 (under
  * compute-sanitizer, which slows kernels 10-100x).  Tests then shrink their
  * shapes and skip the cases that need gigabytes. */
 static inline int m3_test_emulated(void) {
-  const char *s = getenv("M3KIT_SMALL");
-  return m3_driver_label() != NULL || (s && *s && *s != '0');
+  return m3_driver_label() != NULL || m3_env_flag("M3KIT_SMALL");
 }
 
 extern m3_rt g_rt;

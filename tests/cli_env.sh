@@ -1,0 +1,24 @@
+#!/bin/sh
+# cli_env.sh - on/off environment flags and inputs that are not files, through
+# the CLI, no GPU: M3KIT_NO_JIT= and =0 are off (a cold cache compiles), =1 is
+# on (a miss is an error naming the key); a FIFO or a directory given as
+# config.json is refused by name without blocking (cache/store.c).
+set -eu
+m3kit=${M3KIT_BIN:-./m3kit} # make check exports M3KIT_BIN (Makefile.am)
+fail() { echo "cli_env.sh: $*" >&2; exit 1; }
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+key='embed(hidden=256)'
+for v in '' 0; do
+  M3KIT_CACHE_DIR="$dir/c$v" M3KIT_NO_JIT="$v" "$m3kit" gen --compile "$key" > /dev/null 2>&1 ||
+    fail "M3KIT_NO_JIT='$v' refused a cold compile"
+done
+out=$(M3KIT_CACHE_DIR="$dir/c1" M3KIT_NO_JIT=1 "$m3kit" gen --compile "$key" 2>&1) && fail "M3KIT_NO_JIT=1 compiled"
+printf '%s\n' "$out" | grep -q "M3_NOJIT.*$key" || fail "M3KIT_NO_JIT=1: no error naming the key: $out"
+mkdir "$dir/fifo" "$dir/isdir" "$dir/isdir/config.json"
+mkfifo "$dir/fifo/config.json"
+out=$(timeout 20 "$m3kit" gen --list --model "$dir/fifo" 2>&1) && fail "a FIFO config.json was accepted"
+printf '%s\n' "$out" | grep -q "fifo/config.json: not a regular file" || fail "FIFO config.json: $out"
+out=$("$m3kit" gen --list --model "$dir/isdir" 2>&1) && fail "a directory config.json was accepted"
+printf '%s\n' "$out" | grep -q "isdir/config.json: is a directory" || fail "directory config.json: $out"
+echo "cli_env.sh: flags and non-files as expected"
