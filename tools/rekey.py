@@ -61,7 +61,7 @@ def completed_key(key, key_axes, listed=()):
     (a new axis that sorts launches, e.g. session 26's `settled`: the MoE down GEMV's key has 1), else each
     at its first value; key itself when none is missing.  Either way the record is re-keyed only where the
     tile's code is the same (main)."""
-    name, body = key.split('(', 1)
+    name, _, body = key.partition('(')
     have = dict(f.split('=', 1) for f in body.rstrip(')').split(',') if f)
     if all(a in have for a, _ in key_axes) and len(have) == len(key_axes):
         return key
@@ -225,14 +225,14 @@ def main():
             old_key, r['key'] = r['key'], key_new
             if r.get('default_tile'):
                 r['default_tile'] = complete(r['default_tile'])
-            for c in r.get('candidates', []):
+            for c in r.get('candidates') or []:
                 c['tile'] = complete(c['tile'])
             prov['template_hash'] = new[name][0]
             prov['code_hash'] = new_code
             how = 'same code' if new_code == old_code else 'same machine code'
             note = ' (re-keyed by tools/rekey.py: %s after a template edit)' % how
-            if note not in prov.get('command', ''):
-                prov['command'] = prov.get('command', '') + note
+            if note not in (prov.get('command') or ''):
+                prov['command'] = (prov.get('command') or '') + note
             counts['rekeyed'] += 1
             print('re-keyed (%s): %s [%s] -> %s[%s]' % (how, old_key, old_tile, '' if key_new == old_key else key_new, tile))
             done = True
@@ -242,8 +242,8 @@ def main():
             prov['code_hash'] = compiled
             r['carried'] = carry
             note = ' (carried by tools/rekey.py --carry-fix across a code change, not re-timed: %s)' % carry
-            if note not in prov.get('command', ''):
-                prov['command'] = prov.get('command', '') + note
+            if note not in (prov.get('command') or ''):
+                prov['command'] = (prov.get('command') or '') + note
             counts['carried'] += 1
             print('carried (code changed, not re-timed): %s [%s]' % (r['key'], r['tile']))
             done = True

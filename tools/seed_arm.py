@@ -71,8 +71,8 @@ def main():
     _, lock, _, d = tunedb_file.open_locked(src, 'seed_arm.py')  # a one-line error for a missing or bad SRC
     lock.close()
     n = 0
-    for r in d.get('records', []):
-        name, body = r['key'].split('(', 1)
+    for r in d['records']:
+        name, _, body = r['key'].partition('(')
         kf, tile = fields(body.rstrip(')')), fields(r['tile'])
         if template and name != template:
             continue
@@ -91,9 +91,9 @@ def main():
         except RuntimeError as ex:
             sys.exit('seed_arm.py: %s' % ex)
         print('%s %s: [%s] -> [%s]' % (r['key'], r['bucket'], r['tile'], new))
-        prov = r.setdefault('provenance', {})
+        prov = r['provenance']  # required: tunedb_file checked it
         prov['code_hash'] = code
-        prov['command'] = prov.get('command', '') + ' (A/B arm by tools/seed_arm.py: [%s] -> [%s], timings the ' \
+        prov['command'] = (prov.get('command') or '') + ' (A/B arm by tools/seed_arm.py: [%s] -> [%s], timings the ' \
             'old tile\'s%s)' % (r['tile'], new, '; its pin dropped' if 'pinned' in r else '')
         r['tile'] = new
         r.pop('pinned', None)

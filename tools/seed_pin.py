@@ -56,7 +56,7 @@ def main():
     if sorted(want) != sorted(have) or len(want) != len(tile.split(',')):
         sys.exit('seed_pin.py: [%s]: the tile axes of %s are %s' % (tile, key, ','.join(have)))
     tile = ','.join('%s=%s' % (a, want[a]) for a in have)
-    cand = [c for c in r.get('candidates', []) if c['tile'] == tile and c.get('disposition') == 'PASSED']
+    cand = [c for c in r.get('candidates') or [] if c['tile'] == tile and c.get('disposition') == 'PASSED']
     if not cand and not untimed:
         sys.exit('seed_pin.py: %s at %s: no PASSED candidate [%s] (--untimed: a tile the tuner cannot rank)' %
                  (key, bucket, tile))
@@ -72,11 +72,11 @@ def main():
         sys.exit('seed_pin.py: %s: the record was tuned with template hash %s, %s renders %s: carry it over '
                  'first (m3kit tune --rehash, tools/rekey.py) or re-tune it' %
                  (key, r['provenance'].get('template_hash'), m3kit, now))
-    old_tile, old_us = r['tile'], r['tuned_us']
-    us = cand[0]['median_us'] if cand else old_us  # --untimed: the body's timing, the record's
+    old_tile, old_us = r['tile'], r.get('tuned_us')  # optional, null where not measured
+    us = cand[0].get('median_us') if cand else old_us  # --untimed: the body's timing, the record's
     r['tile'], r['tuned_us'] = tile, us
     m = r.get('metric')
-    if m and m.get('achieved'):  # bytes (or FLOPs) over time: the same work in the pinned tile's time
+    if m and m.get('achieved') and old_us and us:  # bytes (or FLOPs) over time: the same work in the pinned tile's time
         m['achieved'] = m['achieved'] * old_us / us
         if m.get('ceiling'):
             m['pct_of_ceiling'] = 100.0 * m['achieved'] / m['ceiling']
@@ -91,12 +91,15 @@ def main():
             r['pinned'] = why
     prov = r['provenance']
     prov['code_hash'] = code
+
+    def t(v):
+        return '%.2f us' % v if v is not None else 'untimed'
     if cand:
-        prov['command'] = prov.get('command', '') + ' (winner pinned by tools/seed_pin.py: [%s], tuner %.2f us, ' \
-            'over the tuner\'s [%s], %.2f us; why: "pinned")' % (tile, us, old_tile, old_us)
+        prov['command'] = (prov.get('command') or '') + ' (winner pinned by tools/seed_pin.py: [%s], tuner %s, ' \
+            'over the tuner\'s [%s], %s; why: "pinned")' % (tile, t(us), old_tile, t(old_us))
     else:
-        prov['command'] = prov.get('command', '') + ' (pinned by tools/seed_pin.py --untimed: [%s], not a timed ' \
-            'candidate, over [%s], whose %.2f us it keeps; why: "pinned")' % (tile, old_tile, old_us)
+        prov['command'] = (prov.get('command') or '') + ' (pinned by tools/seed_pin.py --untimed: [%s], not a timed ' \
+            'candidate, over [%s], whose %s it keeps; why: "pinned")' % (tile, old_tile, t(old_us))
     tunedb_file.write(db_path, mode, d)
     print('%s: %s at %s -> [%s] (was [%s])' % (db_path, key, bucket, tile, old_tile))
 
