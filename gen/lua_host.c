@@ -15,10 +15,56 @@
 
 #include "gen/templates.inc" /* m3_templates[] */
 
+/* Limits of one state: its memory, and the VM instructions of one
+ * m3_lua_call, in ticks of M3_LUA_TICK (below): 128 Mi instructions, about a
+ * second.  Measured (session 29): no call of gen --all for minimax-m3 or of
+ * --tiles over a 53,760-tile GEMV key ran past 2 ticks or held over 0.6 MB. */
+#define M3_LUA_MEM_MAX (256L << 20)
+#define M3_LUA_BUDGET_TICKS 2048L
+
 struct m3_lua {
   lua_State *L;
-  m3_err *cur_err; /* for the m3.include loader */
+  m3_err *cur_err;   /* for the m3.include loader */
+  size_t mem, mem_max; /* bytes the state holds, and its cap */
+  long ticks;          /* count-hook ticks left to the current m3_lua_call */
 };
+
+/* The state's allocator: lua_Alloc over realloc, refusing to grow past
+ * mem_max, which Lua raises as "not enough memory" inside the protected call
+ * (a template that allocates without end fails instead of taking the host's
+ * memory). */
+static void *alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
+  m3_lua *H = ud;
+  const size_t old = ptr ? osize : 0;
+  if (nsize == 0) {
+    free(ptr);
+    H->mem -= old;
+    return NULL;
+  }
+  if (nsize > old && H->mem - old + nsize > H->mem_max) return NULL;
+  void *p = realloc(ptr, nsize);
+  if (p) H->mem = H->mem - old + nsize;
+  return p;
+}
+
+/* Every M3_LUA_TICK VM instructions: a call that runs past its budget is an
+ * error (an endless loop in a template fails gen instead of hanging it). */
+#define M3_LUA_TICK (1 << 16)
+static void count_hook(lua_State *L, lua_Debug *ar) {
+  (void)ar;
+  m3_lua *H = *(m3_lua **)lua_getextraspace(L);
+  if (--H->ticks < 0) {
+    H->ticks = 1 << 20; /* room for the error's own traceback */
+    luaL_error(L, "ran more than %d million Lua instructions (an endless loop?)",
+               (int)((long)M3_LUA_BUDGET_TICKS * M3_LUA_TICK / 1000000));
+  }
+}
+
+static int panic(lua_State *L) {
+  const char *msg = lua_tostring(L, -1);
+  fprintf(stderr, "m3kit: unprotected Lua error: %s\n", msg ? msg : "(not a string)");
+  return 0; /* Lua aborts: every call into the state is protected, so this is a bug */
+}
 
 lua_State *m3_lua_state(m3_lua *L) { return L->L; }
 
@@ -75,6 +121,7 @@ static int msghandler(lua_State *L) {
 
 m3_status m3_lua_call(m3_lua *H, int nargs, int nresults, const char *what, m3_err *e) {
   lua_State *L = H->L;
+  H->ticks = M3_LUA_BUDGET_TICKS;
   int base = lua_gettop(L) - nargs;
   lua_pushcfunction(L, msghandler);
   lua_insert(L, base);
@@ -88,14 +135,18 @@ m3_status m3_lua_call(m3_lua *H, int nargs, int nresults, const char *what, m3_e
   return M3_OK;
 }
 
-/* Load a file as a text chunk named after its path; pushes the chunk. */
+/* Load a file as a text chunk named after the path it was read from
+ * (templates/x.lua, or $M3KIT_TEMPLATE_DIR/x.lua); pushes the chunk.  Its
+ * _ENV is a table of its own that reads through to the globals and refuses
+ * new ones, so that a template cannot change what the next one sees. */
 static m3_status load_chunk(m3_lua *H, const char *file, m3_err *e) {
   const char *text;
   size_t len;
   char *owned;
   M3_TRY(m3_lua_source(file, &text, &len, &owned, e));
-  char chunk[300];
-  snprintf(chunk, sizeof chunk, "@templates/%s", file);
+  char chunk[4200];
+  const char *dir = getenv("M3KIT_TEMPLATE_DIR");
+  snprintf(chunk, sizeof chunk, "@%s/%s", dir && *dir ? dir : "templates", file);
   int rc = luaL_loadbufferx(H->L, text, len, chunk, "t");
   free(owned);
   if (rc != LUA_OK) {
@@ -103,7 +154,32 @@ static m3_status load_chunk(m3_lua *H, const char *file, m3_err *e) {
     lua_pop(H->L, 1);
     return M3_TEMPLATE;
   }
+  lua_newtable(H->L);
+  lua_getfield(H->L, LUA_REGISTRYINDEX, "m3.envmeta");
+  lua_setmetatable(H->L, -2);
+  if (!lua_setupvalue(H->L, -2, 1)) lua_pop(H->L, 1); /* a chunk's first upvalue is _ENV */
   return M3_OK;
+}
+
+static int ro_newindex(lua_State *L) {
+  const char *k = lua_tostring(L, 2);
+  return luaL_error(L, "assignment to global or library field '%s': templates are pure (use a local)",
+                    k ? k : "?");
+}
+
+/* Pushes a read-only view of the table at idx (reads go through __index;
+ * writes, and getmetatable, are refused). */
+static void push_ro_view(lua_State *L, int idx) {
+  idx = lua_absindex(L, idx);
+  lua_newtable(L);
+  lua_createtable(L, 0, 3);
+  lua_pushvalue(L, idx);
+  lua_setfield(L, -2, "__index");
+  lua_pushcfunction(L, ro_newindex);
+  lua_setfield(L, -2, "__newindex");
+  lua_pushboolean(L, 0);
+  lua_setfield(L, -2, "__metatable");
+  lua_setmetatable(L, -2);
 }
 
 /* m3.include("lib/prelude") -> the value that lib file returns (memoised). */
@@ -159,25 +235,63 @@ static const luaL_Reg m3lib[] = {
 m3_status m3_lua_open(m3_lua **out, m3_err *e) {
   m3_lua *H = calloc(1, sizeof *H);
   if (!H) return m3_errf(e, M3_NOMEM, "lua host");
-  lua_State *L = luaL_newstate();
+  H->mem_max = (size_t)M3_LUA_MEM_MAX;
+  lua_State *L = lua_newstate(alloc, H);
   if (!L) {
     free(H);
-    return m3_errf(e, M3_NOMEM, "luaL_newstate failed");
+    return m3_errf(e, M3_NOMEM, "lua_newstate failed");
   }
+  lua_atpanic(L, panic);
   H->L = L;
   *(m3_lua **)lua_getextraspace(L) = H;
+  H->ticks = M3_LUA_BUDGET_TICKS;
+  lua_sethook(L, count_hook, LUA_MASKCOUNT, M3_LUA_TICK);
   luaL_requiref(L, LUA_GNAME, luaopen_base, 1);
   luaL_requiref(L, LUA_STRLIBNAME, luaopen_string, 1);
   luaL_requiref(L, LUA_TABLIBNAME, luaopen_table, 1);
   luaL_requiref(L, LUA_MATHLIBNAME, luaopen_math, 1);
   lua_pop(L, 4);
-  /* No file access from templates. */
+  /* No file access, no code but the template files' text (load could run a
+   * binary chunk, which Lua does not verify), no writes around the read-only
+   * views below. */
+  static const char *const removed[] = {"dofile", "loadfile", "load", "rawset", "collectgarbage"};
+  for (size_t i = 0; i < sizeof removed / sizeof *removed; i++) {
+    lua_pushnil(L);
+    lua_setglobal(L, removed[i]);
+  }
+  lua_getglobal(L, LUA_STRLIBNAME);
   lua_pushnil(L);
-  lua_setglobal(L, "dofile");
-  lua_pushnil(L);
-  lua_setglobal(L, "loadfile");
+  lua_setfield(L, -2, "dump");
+  lua_pop(L, 1);
   luaL_newlib(L, m3lib);
   lua_setglobal(L, "m3");
+  /* The libraries as read-only views; the string metatable (whose __index is
+   * the real string table) hidden from getmetatable. */
+  static const char *const libs[] = {LUA_STRLIBNAME, LUA_TABLIBNAME, LUA_MATHLIBNAME, "m3"};
+  for (size_t i = 0; i < sizeof libs / sizeof *libs; i++) {
+    lua_getglobal(L, libs[i]);
+    push_ro_view(L, -1);
+    lua_setglobal(L, libs[i]);
+    lua_pop(L, 1);
+  }
+  lua_pushglobaltable(L);
+  push_ro_view(L, -1);
+  lua_setglobal(L, "_G");
+  lua_pop(L, 1);
+  lua_pushliteral(L, "");
+  lua_getmetatable(L, -1);
+  lua_pushboolean(L, 0);
+  lua_setfield(L, -2, "__metatable");
+  lua_pop(L, 2);
+  /* Every chunk's _ENV: reads the globals, refuses new ones (load_chunk). */
+  lua_createtable(L, 0, 3);
+  lua_pushglobaltable(L);
+  lua_setfield(L, -2, "__index");
+  lua_pushcfunction(L, ro_newindex);
+  lua_setfield(L, -2, "__newindex");
+  lua_pushboolean(L, 0);
+  lua_setfield(L, -2, "__metatable");
+  lua_setfield(L, LUA_REGISTRYINDEX, "m3.envmeta");
   lua_newtable(L);
   lua_setfield(L, LUA_REGISTRYINDEX, "m3.libs");
   lua_newtable(L);
