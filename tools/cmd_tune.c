@@ -27,14 +27,15 @@ static void help(void) {
          "times within 3%% of the tuner's own pick.\n\n"
          "  --preset NAME      model config preset (default minimax-m3)\n"
          "  --model DIR        use DIR/config.json\n"
-         "  --only KERNELS     tune these kernel families only (below; comma separated)\n"
+         "  --only KERNELS     tune these kernel families only (below; comma separated; not with\n"
+         "                     --show, --plot, --rehash, which work on the whole DB)\n"
          "  --shapes SPEC      restrict buckets, e.g. 'tokens=1,64'\n"
          "  --budget SECONDS   stop starting new shapes after this long\n"
          "  --reps N           timed launches per candidate (default 20, minimum 20)\n"
          "  --db FILE          the DB file to write (tuning) or read (--show, --plot, --rehash) instead of\n"
          "                     the cache's\n"
          "  --show             print the tuning DB of this GPU's arch (or --arch) and exit\n"
-         "  --plot DIR         write PNG plots (gnuplot) of time against tile and exit\n"
+         "  --plot DIR         write PNG plots (gnuplot) of time against tile and exit (untuned: the seed's)\n"
          "  --arch SM          arch for --show/--plot/--rehash without a GPU (default: the GPU's, else sm_90)\n"
          "  --rehash           give every record of the DB (or --db FILE) whose template is unchanged the\n"
          "                     code hash of its tile, so that later template edits that leave that code\n"
@@ -164,6 +165,15 @@ static int show_or_plot(const char *arch, const char *plot_dir, const char *db_p
   if (rep.summary[0]) printf("  %s\n", rep.summary); /* what the load skipped or ignored, and why */
   if (s == M3_OK && !none) print_usable(path, arch);
   int rc = 0;
+  if (plot_dir && !db_path && m3_tunedb_count(db) == 0) { /* untuned: plot what the runtime uses, the seed */
+    char spb[4200];
+    const char *sp = m3_tuning_seed_path(arch, spb, sizeof spb);
+    m3_tunedb_report sr;
+    memset(&sr, 0, sizeof sr);
+    if (sp && access(sp, R_OK) == 0 && m3_tunedb_load(db, sp, NULL, NULL, &sr, &e) == M3_OK)
+      printf("plotting the seed DB %s instead: %zu records, what the runtime uses until you tune\n", sp,
+             m3_tunedb_count(db));
+  }
   if (plot_dir) {
     int n = 0;
     if ((s = m3_mkdirs(plot_dir, &e)) || (s = m3_tunedb_write_plot_data(db, plot_dir, NULL, &n, &e))) {
@@ -273,6 +283,11 @@ int cmd_tune(int argc, char **argv) {
   }
   if (show + !!plot + do_rehash > 1) {
     fprintf(stderr, "m3kit tune: give one of --show, --plot, --rehash\n");
+    return 2;
+  }
+  if ((show || plot || do_rehash) && (o.only || o.shapes)) {
+    fprintf(stderr, "m3kit tune: --only and --shapes select what to tune; --show, --plot and --rehash work on the "
+                    "whole DB\n");
     return 2;
   }
   if (show || plot || do_rehash) {
