@@ -16,6 +16,7 @@
 #include "runtime/tuning_lookup.h"
 #include "cache/tunedb.h"
 #include "runtime/gpu.h"
+#include "gen/render.h"
 #include "tools/cli.h"
 
 static void help(void) {
@@ -136,9 +137,28 @@ static void print_usable(const char *path, const char *arch) {
   m3_tunedb *fdb = m3_tunedb_new();
   m3_tunedb_report frep;
   memset(&frep, 0, sizeof frep);
-  if (fdb && m3_tunedb_load(fdb, path, NULL, &f, &frep, &le) == M3_OK)
-    printf("  this m3kit would use %d of them for %s%s%s\n", frep.loaded, arch, frep.summary[0] ? "; " : "",
+  if (fdb && m3_tunedb_load(fdb, path, NULL, &f, &frep, &le) == M3_OK) {
+    /* The runtime also re-checks each tile against its key (valid(), the
+     * lookup's check): a record whose tile fails it is never used. */
+    int bad = 0;
+    char first[600] = "";
+    for (size_t i = 0; i < m3_tunedb_count(fdb); i++) {
+      const m3_tune_record *r = m3_tunedb_get(fdb, i);
+      m3_variant v;
+      char why[256] = "";
+      m3_status st = m3_render_parse_key(L, r->key, &v, &le);
+      if (st == M3_OK) {
+        snprintf(v.arch, sizeof v.arch, "%s", r->arch);
+        st = m3_variant_parse_tile(&v, r->tile, &le);
+      }
+      if (st == M3_OK) st = m3_render_canon(L, &v, &le);
+      if (st == M3_OK) st = m3_render_valid(L, &v, why, sizeof why, &le);
+      if (st != M3_OK && bad++ == 0) snprintf(first, sizeof first, "%.200s [%.100s]: %.250s", r->key, r->tile, le.msg);
+    }
+    printf("  this m3kit would use %d of them for %s%s%s\n", frep.loaded - bad, arch, frep.summary[0] ? "; " : "",
            frep.summary);
+    if (bad) printf("  %d more have a key or tile this m3kit refuses, never used (first: %s)\n", bad, first);
+  }
   m3_tunedb_free(fdb);
   m3_lua_close(L);
 }
