@@ -405,6 +405,13 @@ static m3_status parse_root(const json_t *root, const char *name, m3_config *c, 
     M3_TRY(parse_text(&pt, t, c));
     if (!q && (q = json_object_get(t, "quantization_config"))) p.pre = "text_config.";
   } else {
+    /* A wrapper's model_type without its text_config: say what is missing,
+     * not that the type is unsupported. */
+    const json_t *mt = json_object_get(root, "model_type");
+    for (int i = 0; json_is_string(mt) && vl_model_types[i]; i++)
+      if (!strcmp(json_string_value(mt), vl_model_types[i]))
+        return field_err(&p, "", "text_config", M3_FORMAT, "missing (model_type \"%s\" keeps the language model's "
+                         "fields in text_config)", vl_model_types[i]);
     M3_TRY(parse_text(&p, root, c));
   }
   if (q && !json_is_null(q)) {

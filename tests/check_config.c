@@ -196,6 +196,7 @@ static const bad_case bad[] = {
     {"quantization_config", "{\"quant_method\":\"mxfp8\",\"weight_block_size\":[128,128]}", M3_CONFIG,
      "quantization_config.weight_block_size: must be [1, 32]"},
     {"text_config", "[]", M3_FORMAT, "text_config: expected an object, got an array"},
+    {"text_config", NULL, M3_FORMAT, "text_config: missing (model_type \"minimax_m3_vl\" keeps"},
     {"text_config.sparse_attention_config.sparse_block_size", "17", M3_CONFIG,
      "text_config.sparse_attention_config.sparse_block_size: 17 is not supported"},
     {"text_config.sparse_attention_config.sparse_topk_blocks", "100", M3_CONFIG,
