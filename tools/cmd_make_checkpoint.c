@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include "runtime/ckpt_write.h"
@@ -63,6 +64,12 @@ int cmd_make_checkpoint(int argc, char **argv) {
   if (!out || (!preset) == (!config) || optind < argc) {
     fprintf(stderr, "m3kit make-checkpoint: give --out DIR and exactly one of --preset / --config%s%s\n",
             optind < argc ? "; unexpected argument " : "", optind < argc ? argv[optind] : "");
+    return 2;
+  }
+  struct stat ost;
+  if (!*out || (stat(out, &ost) == 0 && !S_ISDIR(ost.st_mode))) {
+    fprintf(stderr, "m3kit make-checkpoint: --out '%s': %s\n", out,
+            *out ? "exists and is not a directory" : "an empty path");
     return 2;
   }
   /* Shards of an earlier checkpoint left beside a new index would be read as

@@ -127,7 +127,7 @@ static int rehash(const char *arch, const char *db_path) {
 
 /* "this m3kit would use K of them": the runtime's filter (template and code
  * hashes, arch; the driver not checked) over the DB at path. */
-static void print_usable(const char *path, const char *arch) {
+static void print_usable(const char *path, const char *arch, const char *said) {
   m3_lua *L;
   m3_err le;
   if (m3_lua_open(&L, &le) != M3_OK) return;
@@ -155,8 +155,9 @@ static void print_usable(const char *path, const char *arch) {
       if (st == M3_OK) st = m3_render_valid(L, &v, why, sizeof why, &le);
       if (st != M3_OK && bad++ == 0) snprintf(first, sizeof first, "%.200s [%.100s]: %.250s", r->key, r->tile, le.msg);
     }
-    printf("  this m3kit would use %d of them for %s%s%s\n", frep.loaded - bad, arch, frep.summary[0] ? "; " : "",
-           frep.summary);
+    const int again = said && !strcmp(said, frep.summary); /* the caller printed this load's summary */
+    printf("  this m3kit would use %d of them for %s%s%s\n", frep.loaded - bad, arch,
+           frep.summary[0] && !again ? "; " : "", again ? "" : frep.summary);
     if (bad) printf("  %d more have a key or tile this m3kit refuses, never used (first: %s)\n", bad, first);
   }
   m3_tunedb_free(fdb);
@@ -183,7 +184,7 @@ static int show_or_plot(const char *arch, const char *plot_dir, const char *db_p
   else
     printf("tuning DB %s: %zu records\n", path, m3_tunedb_count(db));
   if (rep.summary[0]) printf("  %s\n", rep.summary); /* what the load skipped or ignored, and why */
-  if (s == M3_OK && !none) print_usable(path, arch);
+  if (s == M3_OK && !none) print_usable(path, arch, rep.summary);
   int rc = 0;
   if (plot_dir && !db_path && m3_tunedb_count(db) == 0) { /* untuned: plot what the runtime uses, the seed */
     char spb[4200];
@@ -215,13 +216,13 @@ static int show_or_plot(const char *arch, const char *plot_dir, const char *db_p
       m3_tunedb_report sr;
       memset(&sr, 0, sizeof sr);
       m3_err se;
-      m3_status ss = access(sp, R_OK) == 0 ? m3_tunedb_load(sd, sp, NULL, NULL, &sr, &se)
+      m3_status ss = access(sp, R_OK) == 0 ? m3_tunedb_load(sd, NULL, sp, NULL, &sr, &se) /* as the seed: src "seed" */
                                             : m3_errf(&se, M3_NOTFOUND, "cannot read it");
       if (ss != M3_OK) {
         printf("seed DB %s: unreadable (%s)\n", sp, se.msg);
       } else if (none) {
         printf("seed DB %s: %zu records, what the runtime uses until you tune\n", sp, m3_tunedb_count(sd));
-        print_usable(sp, arch);
+        print_usable(sp, arch, NULL);
         m3_tunedb_print(sd, stdout);
       } else {
         printf("seed DB %s: %zu records, used where the DB above has none (m3kit tune --show --db %s lists them)\n",
