@@ -931,6 +931,7 @@ static timing_op *op_slot(m3_forward *f, const char *name) {
     if (!strcmp(f->ops[i].name, name)) return &f->ops[i];
   if (f->n_ops == MAX_OPS) return NULL;
   timing_op *t = &f->ops[f->n_ops++];
+  memset(t, 0, sizeof *t); /* a slot reused after m3_forward_reset_timing starts from zero */
   snprintf(t->name, sizeof t->name, "%s", name);
   return t;
 }
