@@ -315,6 +315,13 @@ static m3_status print_tp_timing(m3_tp_group *g, int tp, int steps, const char *
   return M3_OK;
 }
 
+/* The sampling step of sequence b's first token.  Each sequence is
+ * prefilled on its own and its one logits row sampled as row 0, so keyed
+ * (seed, 0, 0) alike every sequence of a batch would draw the same uniform:
+ * sequence 0 keeps step 0, sequence b > 0 takes 2^63 + b, never a decode
+ * step (decode keys row b at steps 1, 2, ...). */
+static uint64_t prefill_step(int b) { return b ? (UINT64_C(1) << 63) + (uint64_t)b : 0; }
+
 static int run_tp(const run_args *a) {
   m3_err e = {0};
   m3_status s;
@@ -380,6 +387,7 @@ static int run_tp(const run_args *a) {
   }
   double t0 = now_s();
   for (int b = 0; b < a->batch; b++) {
+    smp.step = prefill_step(b);
     s = m3_tp_prefill(g, seqs[b], a->plen - pre, prompts + (size_t)b * a->plen + pre, &smp, &next[b],
                       logits ? logits + (size_t)b * V : NULL, &e);
     if (s != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
@@ -685,6 +693,7 @@ int cmd_run(int argc, char **argv) {
     t0 = now_s();
   }
   for (int b = 0; b < batch; b++) {
+    smp.step = prefill_step(b);
     s = m3_forward_prefill(f, seqs[b], plen - pre, prompts + (size_t)b * plen + pre, &smp, &next[b],
                            logits ? logits + (size_t)b * V : NULL, &e);
     if (s != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
