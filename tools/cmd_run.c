@@ -4,15 +4,19 @@
  * (runtime/tp_forward.h).  Without a GPU it says so and does the part that
  * needs none: renders and compiles every kernel variant the model needs
  * (through the cubin cache), so a later GPU run starts warm. */
+#include <errno.h>
+#include <fcntl.h>
 #include <getopt.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <cuda_runtime_api.h>
 
+#include "cache/store.h"
 #include "runtime/config.h"
 #include "runtime/forward.h"
 #include "runtime/harness.h"
@@ -104,14 +108,22 @@ static int write_npy(const char *path, const float *x, const int64_t *shape, int
   }
   n += snprintf(dict + n, sizeof dict - (size_t)n, "), }");
   int total = 10 + n + 1, pad = (64 - total % 64) % 64;
-  FILE *f = fopen(path, "wb");
-  if (!f) return -1;
   unsigned hl = (unsigned)(n + pad + 1);
+  const size_t hbytes = 10 + hl, bytes = hbytes + sizeof *x * count;
+  unsigned char *buf = malloc(bytes);
+  if (!buf) return -1;
   unsigned char head[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, (unsigned char)(hl & 0xff), (unsigned char)(hl >> 8)};
-  int ok = fwrite(head, 1, 10, f) == 10 && fwrite(dict, 1, (size_t)n, f) == (size_t)n;
-  for (int i = 0; ok && i < pad; i++) ok = fputc(' ', f) != EOF;
-  ok = ok && fputc('\n', f) != EOF && fwrite(x, sizeof *x, count, f) == count;
-  return fclose(f) == 0 && ok ? 0 : -1;
+  memcpy(buf, head, 10);
+  memcpy(buf + 10, dict, (size_t)n);
+  memset(buf + 10 + n, ' ', (size_t)pad);
+  buf[hbytes - 1] = '\n';
+  memcpy(buf + hbytes, x, sizeof *x * count);
+  /* whole or not at all: an earlier file stays until the new one is complete */
+  m3_err e;
+  const int rc = m3_write_atomic(path, buf, bytes, &e) == M3_OK ? 0 : -1;
+  if (rc) fprintf(stderr, "m3kit run: %s\n", e.msg);
+  free(buf);
+  return rc;
 }
 
 static int parse_ids(const char *s, int32_t **ids, int *n) {
@@ -572,16 +584,19 @@ int cmd_run(int argc, char **argv) {
       return cli_fail("run", cs, &ce);
     }
   }
-  if (dump) { /* writable before the run, not after it */
-    FILE *df = fopen(dump, "wb");
-    if (!df) {
-      fprintf(stderr, "m3kit run: --dump-logits %s: cannot write it\n", dump);
+  if (dump) { /* writable before the run, not after it; an existing file is left as it is until the end */
+    const int existed = access(dump, F_OK) == 0;
+    const int fd = open(dump, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) {
+      fprintf(stderr, "m3kit run: --dump-logits %s: cannot write it: %s\n", dump, strerror(errno));
       free(prompt1);
       return 2;
     }
-    fclose(df);
+    close(fd);
+    if (!existed) unlink(dump);
   }
   if (m3_gpu_count() == 0) {
+    if (dump) printf("m3kit run: no GPU, no logits: --dump-logits %s not written\n", dump);
     free(prompt1);
     if (tp > 1) printf("m3kit run --tp %d: the ranks' kernel variants (their head counts and slices) are built when "
                        "they first run; the whole model's are compiled here.\n", tp);
