@@ -2,7 +2,8 @@
 # cli_env.sh - on/off environment flags and inputs that are not files, through
 # the CLI, no GPU: M3KIT_NO_JIT= and =0 are off (a cold cache compiles), =1 is
 # on (a miss is an error naming the key); a FIFO or a directory given as
-# config.json is refused by name without blocking (cache/store.c).
+# config.json is refused by name without blocking (cache/store.c); run and
+# tp-plan refuse --resident-experts below top-k before the no-GPU branch.
 set -eu
 m3kit=${M3KIT_BIN:-./m3kit} # make check exports M3KIT_BIN (Makefile.am)
 fail() { echo "cli_env.sh: $*" >&2; exit 1; }
@@ -21,4 +22,10 @@ out=$(timeout 20 "$m3kit" gen --list --model "$dir/fifo" 2>&1) && fail "a FIFO c
 printf '%s\n' "$out" | grep -q "fifo/config.json: not a regular file" || fail "FIFO config.json: $out"
 out=$("$m3kit" gen --list --model "$dir/isdir" 2>&1) && fail "a directory config.json was accepted"
 printf '%s\n' "$out" | grep -q "isdir/config.json: is a directory" || fail "directory config.json: $out"
-echo "cli_env.sh: flags and non-files as expected"
+for cmd in "run" "tp-plan --preset tiny"; do
+  rc=0
+  out=$($m3kit $cmd --resident-experts 2 2>&1) || rc=$?
+  [ "$rc" = 2 ] || fail "$cmd --resident-experts 2 (top-k 4): exit $rc, want 2"
+  printf '%s\n' "$out" | grep -q "num_experts_per_tok 4" || fail "$cmd --resident-experts 2: $out"
+done
+echo "cli_env.sh: flags, non-files and --resident-experts bounds as expected"

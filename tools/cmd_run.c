@@ -572,8 +572,9 @@ int cmd_run(int argc, char **argv) {
       free(prompt1);
       return 2;
     }
-    if (resident > cc.num_local_experts) {
-      fprintf(stderr, "m3kit run: --resident-experts %d: the model has %d experts a layer\n", resident,
+    if (resident && (resident > cc.num_local_experts || resident < cc.num_experts_per_tok)) {
+      fprintf(stderr, "m3kit run: --resident-experts %d: must be in [num_experts_per_tok %d, num_local_experts %d] "
+                    "(a token routes to top-k resident experts)\n", resident, cc.num_experts_per_tok,
               cc.num_local_experts);
       free(prompt1);
       return 2;

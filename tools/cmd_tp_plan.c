@@ -135,8 +135,9 @@ int cmd_tp_plan(int argc, char **argv) {
     m3_tp_rank r0;
     if ((s = m3_tp_plan(&cfg, tp, 0, &r0, &e)) != M3_OK) return cli_fail("tp-plan", s, &e);
   }
-  if (resident > cfg.num_local_experts) {
-    fprintf(stderr, "m3kit tp-plan: --resident-experts %d: the model has %d experts a layer\n", resident,
+  if (resident && (resident > cfg.num_local_experts || resident < cfg.num_experts_per_tok)) {
+    fprintf(stderr, "m3kit tp-plan: --resident-experts %d: must be in [num_experts_per_tok %d, num_local_experts %d] "
+                    "(a token routes to top-k resident experts)\n", resident, cfg.num_experts_per_tok,
             cfg.num_local_experts);
     return 2;
   }
