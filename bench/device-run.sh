@@ -42,7 +42,7 @@ log "gen --all warm rc=$? $(grep -E 'real|compiled|variants' "$L/gen-all-warm.lo
 pids=""
 if has tests; then
   for t in ${TESTS:-./check_*_gpu}; do
-    [ -x "$t" ] || continue
+    [ -x "$t" ] || { log "$t: not packed (bench/pack-device.sh builds and copies the GPU tests): not run"; continue; }
     # The FFN side's nine kernel families and the indexer's test cases run as
     # separate processes (CK_RUN_CASE); FFN_CASES / INDEXER_CASES narrow them.
     cases=-
@@ -65,7 +65,7 @@ if has sanitize; then
     tools=${SAN_TOOLS:-memcheck racecheck initcheck synccheck}
     case $ent in *@*) tools=$(echo "${ent#*@}" | tr + ' '); ent=${ent%%@*};; esac
     t=${ent%%:*} cs=; [ "$t" != "$ent" ] && cs=${ent#*:}
-    [ -x "$t" ] || continue
+    [ -x "$t" ] || { log "$t: not packed: not sanitized"; continue; }
     for tool in $tools; do
       n=sanitize-$tool-$(basename "$t")${cs:+-$cs}
       ( env M3KIT_SMALL=1 ${cs:+CK_RUN_CASE=$cs} timeout "${T_TEST:-280}" compute-sanitizer --tool $tool --error-exitcode 9 ${SAN_ARGS:-} "$t" > "$L/$n.log" 2>&1

@@ -8,9 +8,15 @@ cd "$(dirname "$0")/.."
 b=${1:-build}
 mkdir -p .dev
 cp "$b/m3kit" .dev/
+# The GPU tests are check programs, built by `make check` only: build them
+# here (without running them) so that a device session never finds none.
+make -C "$b" -s check TESTS= > /dev/null
+n=0
 for t in "$b"/tests/check_*_gpu; do
-  [ -x "$t" ] && cp "$t" .dev/
+  [ -x "$t" ] && cp "$t" .dev/ && n=$((n + 1))
 done
+[ "$n" -gt 0 ] || { echo "pack-device.sh: no GPU test programs under $b/tests" >&2; exit 1; }
+echo "pack-device.sh: m3kit and $n GPU test programs"
 cp bench/device-run.sh .dev/
 cp cache/seed/sm_90.json .dev/seed-sm_90.json   # the seed tuning DB (device-run.sh points M3KIT_SEED_DB at it)
 for f in bench/baseline_torch.py bench/tpot_curve.sh bench/tp_tpot.sh bench/indexer_ablate.sh bench/gemv_ablate.sh bench/ablate_common.sh; do [ -f "$f" ] && cp "$f" .dev/; done
