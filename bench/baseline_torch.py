@@ -60,8 +60,11 @@ import statistics
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError:  # --help included: every mode runs PyTorch
+    sys.exit("baseline_torch.py: needs PyTorch (pip install torch; the GPU machine has it), also for --device cpu --check")
 
 CEILING_BPS = 4.28e12
 

@@ -1,6 +1,6 @@
 #!/bin/sh
 # gemv_ablate.sh - where the W8A16 (MXFP8) MoE GEMV's time goes, without
-# hardware counters (METHOD.md: time variants that leave one stage out, take
+# hardware counters (the device tool's METHOD.md, outside this repository: time variants that leave one stage out, take
 # differences).  For each case (a bench row and a tile) and each variant it
 # renders templates/mxfp8.lua with that tile as the e4m3 ring's default and,
 # for the ablations, one part of the ring's compute (ring_compute) cut out,

@@ -1,6 +1,6 @@
 #!/bin/sh
 # indexer_ablate.sh - where the decode indexer's time goes, without hardware
-# counters (METHOD.md: time variants that leave one stage out, take
+# counters (the device tool's METHOD.md, outside this repository: time variants that leave one stage out, take
 # differences).  For each case (index-K dtype, context, tile) and each variant
 # it renders templates/index_decode.lua with that tile as the default and,
 # for the ablations, one stage cut out, and times `m3kit bench --only indexer`

@@ -17,7 +17,12 @@ def records(path):
 
 
 def main():
-    a, b = records(sys.argv[1]), records(sys.argv[2])
+    if len(sys.argv) != 3 or sys.argv[1].startswith('-'):
+        sys.exit(__doc__.split('\n\n')[0] + '\nusage: python3 bench/tune_stability.py A.json B.json')
+    try:
+        a, b = records(sys.argv[1]), records(sys.argv[2])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        sys.exit('tune_stability.py: %s: %s' % (type(err).__name__, err))
     both = sorted(set(a) & set(b))
     same = near = 0
     print("key | bucket | tune A winner (us) | tune B winner (us) | verdict (tune A's time of B's winner)")

@@ -1,5 +1,5 @@
 /* bench.c - the GEMM ceiling of `m3kit bench`: cuBLAS bf16 x bf16 -> bf16,
- * fp32 accumulate, 8192^3 on random data (zeros run faster: METHOD.md). */
+ * fp32 accumulate, 8192^3 on random data (zeros run faster: the device tool's METHOD.md, not in this repository). */
 #include "runtime/bench.h"
 
 #include <cublas_v2.h>
