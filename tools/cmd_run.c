@@ -225,11 +225,14 @@ static void report_run(const int32_t *gen, int batch, int plen, int max_new, int
   }
   const int steps = max_new - 1, timed = steps >= 2 ? steps - 1 : steps;
   printf("prompt %d tokens x %d sequences, %d new tokens each%s\n", plen, batch, max_new, same);
-  printf("TTFT %.2f ms (prefill of %d x %d tokens, %.0f tokens/s)%s\n", ttft * 1e3, batch, plen - pre,
+  printf("TTFT %.2f ms (prefill of %d x %d tokens, %.3g tokens/s)%s\n", ttft * 1e3, batch, plen - pre,
          batch * (plen - pre) / (ttft > 0 ? ttft : 1e-9), pre ? " after the synthetic cache" : "");
   if (steps > 0)
-    printf("TPOT %.3f ms (mean of %d decode steps at batch %d%s), %.1f tokens/s\n", tdec * 1e3 / timed, timed, batch,
-           steps >= 2 ? ", after the first" : "", (double)timed * batch / (tdec > 0 ? tdec : 1e-9));
+    printf("TPOT %.3f ms (mean of %d decode step%s at batch %d%s), %.3g tokens/s\n", tdec * 1e3 / timed, timed,
+           timed == 1 ? "" : "s", batch,
+           steps >= 2 ? ", after the first" : "; the only one, its graph capture included: --max-new-tokens 3 or more "
+                                              "times the steps after it",
+           (double)timed * batch / (tdec > 0 ? tdec : 1e-9));
   if (steps >= 2) printf("first decode step %.2f ms (%s)\n", t_first * 1e3, first_what);
 }
 
