@@ -3,7 +3,9 @@
 # the CLI, no GPU: M3KIT_NO_JIT= and =0 are off (a cold cache compiles), =1 is
 # on (a miss is an error naming the key); a FIFO or a directory given as
 # config.json is refused by name without blocking (cache/store.c); run and
-# tp-plan refuse --resident-experts below top-k before the no-GPU branch.
+# tp-plan refuse --resident-experts below top-k before the no-GPU branch;
+# --prompt-ids are bare digits with no trailing comma; a --tp the model cannot
+# be cut into is an option error (exit 2).
 set -eu
 m3kit=${M3KIT_BIN:-./m3kit} # make check exports M3KIT_BIN (Makefile.am)
 fail() { echo "cli_env.sh: $*" >&2; exit 1; }
@@ -28,4 +30,12 @@ for cmd in "run" "tp-plan --preset tiny"; do
   [ "$rc" = 2 ] || fail "$cmd --resident-experts 2 (top-k 4): exit $rc, want 2"
   printf '%s\n' "$out" | grep -q "num_experts_per_tok 4" || fail "$cmd --resident-experts 2: $out"
 done
-echo "cli_env.sh: flags, non-files and --resident-experts bounds as expected"
+for ids in "1," " 7" "+7"; do
+  rc=0
+  "$m3kit" run --prompt-ids "$ids" > /dev/null 2>&1 || rc=$?
+  [ "$rc" = 2 ] || fail "run --prompt-ids '$ids': exit $rc, want 2"
+done
+rc=0
+"$m3kit" run --tp 4 > /dev/null 2>&1 || rc=$? # the embedded tiny model splits over 2 ranks at most
+[ "$rc" = 2 ] || fail "run --tp 4 on the tiny model: exit $rc, want 2 (an option error)"
+echo "cli_env.sh: flags, non-files, --resident-experts, --prompt-ids and --tp checks as expected"

@@ -82,9 +82,9 @@ static void help(void) {
       "  --arch SM                without a GPU: the arch to compile for (default sm_90)\n"
       "  --help\n\n"
       "Prints the generated ids, TTFT (prefill of the whole batch), TPOT (mean decode step after the first, which\n"
-      "captures the CUDA graph and is printed apart), decode tokens/s\n"
+      "captures the CUDA graph and is printed apart), decode tokens/s,\n"
       "peak GPU memory in use, and the start-up: GPU open and the kernels (from the cubin cache or compiled, time\n"
-      "to build and to load).  Without a GPU no kernel runs: every kernel variant the model needs is\n"
+      "to build and to load; with --tp, each rank's weight bytes and collectives instead).  Without a GPU no kernel runs: every kernel variant the model needs is\n"
       "rendered and compiled instead and the count and time are reported (exit status 0).\n"
       "Environment: M3KIT_CHECK_NUMERICS=1 scans every op's output for NaN/Inf (names layer and op).\n");
 }
@@ -132,13 +132,15 @@ static int parse_ids(const char *s, int32_t **ids, int *n) {
   *ids = malloc(sizeof **ids * (size_t)cap);
   while (*ids && *s) {
     char *end;
+    if (*s < '0' || *s > '9') return -1; /* bare digits: strtol would skip blanks and take a sign */
     long v = strtol(s, &end, 10);
     if (end == s || v < 0 || v > INT32_MAX) return -1;
     if (*n == cap) *ids = realloc(*ids, sizeof **ids * (size_t)(cap *= 2));
     if (!*ids) return -1;
     (*ids)[(*n)++] = (int32_t)v;
-    s = *end == ',' ? end + 1 : end;
     if (*end && *end != ',') return -1;
+    if (*end == ',' && !end[1]) return -1; /* a trailing comma: a token missing */
+    s = *end == ',' ? end + 1 : end;
   }
   return *ids && *n > 0 ? 0 : -1;
 }
@@ -234,6 +236,7 @@ static void report_run(const int32_t *gen, int batch, int plen, int max_new, int
                                               "times the steps after it",
            (double)timed * batch / (tdec > 0 ? tdec : 1e-9));
   if (steps >= 2) printf("first decode step %.2f ms (%s)\n", t_first * 1e3, first_what);
+  fflush(stdout); /* kept if a long report that follows (--graph-breakdown) is cut off */
 }
 
 /* --dump-logits: [max_new, batch, V] float32.  0, or 1 when it cannot be written. */
@@ -585,7 +588,8 @@ int cmd_run(int argc, char **argv) {
     m3_tp_rank r0;
     if (tp && (cs = m3_tp_plan(&cc, tp, 0, &r0, &ce)) != M3_OK) { /* the cut names the config field */
       free(prompt1);
-      return cli_fail("run", cs, &ce);
+      fprintf(stderr, "m3kit run: --tp %d: %s\n", tp, ce.msg);
+      return 2; /* a bad option for this model, as every other option check */
     }
   }
   if (dump) { /* writable before the run, not after it; an existing file is left as it is until the end */
@@ -673,10 +677,11 @@ int cmd_run(int argc, char **argv) {
         uint64_t res = m3_forward_activation_bytes(cfg, &f1, cfg->max_position_embeddings) + (512ull << 20);
         fit = fr > res ? (int64_t)((fr - res) / pl.bytes_per_token) : 0;
         fit = fit / pl.page_size * pl.page_size;
-        if (fit > cfg->max_position_embeddings) fit = cfg->max_position_embeddings;
       }
-      printf("%s %" PRId64 " tokens with %s caches (%" PRIu64 " B/token)", d ? ";" : "", fit, d ? "e4m3" : "bf16",
-             pl.bytes_per_token);
+      const int capped = fit > cfg->max_position_embeddings; /* the model's limit, not memory's */
+      if (capped) fit = cfg->max_position_embeddings;
+      printf("%s %" PRId64 " tokens%s with %s caches (%" PRIu64 " B/token)", d ? ";" : "", fit,
+             capped ? " (max_position_embeddings)" : "", d ? "e4m3" : "bf16", pl.bytes_per_token);
     }
     printf("%s\n", "");
   }
