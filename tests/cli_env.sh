@@ -26,7 +26,7 @@ out=$("$m3kit" gen --list --model "$dir/isdir" 2>&1) && fail "a directory config
 printf '%s\n' "$out" | grep -q "isdir/config.json: is a directory" || fail "directory config.json: $out"
 for cmd in "run" "tp-plan --preset tiny"; do
   rc=0
-  out=$($m3kit $cmd --resident-experts 2 2>&1) || rc=$?
+  out=$("$m3kit" $cmd --resident-experts 2 2>&1) || rc=$?
   [ "$rc" = 2 ] || fail "$cmd --resident-experts 2 (top-k 4): exit $rc, want 2"
   printf '%s\n' "$out" | grep -q "num_experts_per_tok 4" || fail "$cmd --resident-experts 2: $out"
 done
