@@ -53,10 +53,12 @@ static void *alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
 static void count_hook(lua_State *L, lua_Debug *ar) {
   (void)ar;
   m3_lua *H = *(m3_lua **)lua_getextraspace(L);
-  if (--H->ticks < 0) {
-    H->ticks = 1 << 20; /* room for the error's own traceback */
-    luaL_error(L, "ran more than %d million Lua instructions (an endless loop?)",
-               (int)((long)M3_LUA_BUDGET_TICKS * M3_LUA_TICK / 1000000));
+  if (--H->ticks < 0) { /* and at every tick after, until the call returns (m3_lua_call resets it) */
+    luaL_where(L, 0);     /* the loop's line, not its caller's */
+    lua_pushfstring(L, "ran more than %d million Lua instructions (an endless loop?)",
+                    (int)((long)M3_LUA_BUDGET_TICKS * M3_LUA_TICK / 1000000));
+    lua_concat(L, 2);
+    lua_error(L);
   }
 }
 
@@ -254,7 +256,10 @@ m3_status m3_lua_open(m3_lua **out, m3_err *e) {
   /* No file access, no code but the template files' text (load could run a
    * binary chunk, which Lua does not verify), no writes around the read-only
    * views below. */
-  static const char *const removed[] = {"dofile", "loadfile", "load", "rawset", "collectgarbage"};
+  /* pcall, xpcall and setmetatable (__gc finalizers) could catch or outlive
+   * the instruction budget's error. */
+  static const char *const removed[] = {"dofile",  "loadfile", "load",        "rawset",
+                                        "pcall",   "xpcall",   "setmetatable", "collectgarbage"};
   for (size_t i = 0; i < sizeof removed / sizeof *removed; i++) {
     lua_pushnil(L);
     lua_setglobal(L, removed[i]);

@@ -2,8 +2,9 @@
  *
  * Templates are pure functions of their key: the state opens only the base,
  * string, table and math libraries (no io, os, package, debug; dofile,
- * loadfile, load, string.dump, rawset and collectgarbage removed, so no
- * bytecode, which Lua does not verify, can run), loads chunks as text only
+ * loadfile, load, string.dump, rawset, pcall, xpcall, setmetatable and
+ * collectgarbage removed, so no bytecode, which Lua does not verify, can run
+ * and no error can be caught), loads chunks as text only
  * with the path read as chunk name so every error reads "templates/x.lua:41:
  * ..." (or $M3KIT_TEMPLATE_DIR/x.lua), and runs every call through lua_pcall
  * with a traceback handler.  Lua errors never unwind through C frames that own
@@ -11,7 +12,9 @@
  *
  * Limits: a call that runs past 128 Mi VM instructions (about a second; the
  * largest real call runs under 0.2 Mi) fails as an endless loop, and the state
- * cannot grow past 256 MiB ("not enough memory").  Isolation: each chunk has
+ * cannot grow past 256 MiB ("not enough memory").  Time spent inside one C
+ * function is not counted: a pathological string pattern (string.find with
+ * many ".-") can still run for minutes; templates use none.  Isolation: each chunk has
  * an _ENV of its own that refuses new globals, and the libraries (string,
  * table, math, m3, _G) are read-only views, the string metatable hidden, so
  * one template cannot change what the next sees.  The tables lib/ modules
