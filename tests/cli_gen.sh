@@ -2,7 +2,8 @@
 # cli_gen.sh - `m3kit gen --tiles` and its --valid-only filter (tools/cmd_gen.c),
 # no GPU: the filtered list is exactly the VALID rows of the full one, with the
 # same count line; --valid-only without --tiles is refused (exit 2); and the
-# verdicts carry valid()'s reasons (merge=acqrel is decode-only).
+# verdicts carry valid()'s reasons (merge=acqrel is decode-only); a valid()
+# that fails is reported as the template error it is.
 set -eu
 m3kit=${M3KIT_BIN:-./m3kit} # make check exports M3KIT_BIN (Makefile.am)
 fail() { echo "cli_gen.sh: $*" >&2; exit 1; }
@@ -25,4 +26,17 @@ printf '%s\n' "$pa" | grep -q 'INVALID: merge (the split-K hand-over) applies to
 rc=0
 "$m3kit" gen --valid-only > /dev/null 2>&1 || rc=$?
 [ "$rc" = 2 ] || fail "--valid-only without --tiles: exit $rc, want 2"
+# a valid() that fails (a template error) is an error, not an INVALID verdict
+tpl=$(mktemp -d)
+trap 'rm -rf "$tpl"' EXIT
+cat > "$tpl/vbad.lua" <<'LUA'
+return {axes = {{'a', {1}}}, tiles = {{'t', {1, 2}}},
+  valid = function(k, t) if t.t == 2 then error('boom') end return true end,
+  default_tile = function() return {t = 1} end,
+  render = function() return {source = 'x', threads = 32, smem = 0} end}
+LUA
+rc=0
+out=$(M3KIT_TEMPLATE_DIR="$tpl" "$m3kit" gen --tiles 'vbad(a=1)@sm_90' 2>&1) || rc=$?
+[ "$rc" = 1 ] || fail "--tiles over a failing valid(): exit $rc, want 1: $out"
+printf '%s\n' "$out" | grep -q 'M3_TEMPLATE: vbad.valid: .*vbad.lua:2: boom' || fail "--tiles hid valid()'s error: $out"
 echo "cli_gen.sh: $n valid decode tiles listed alike"

@@ -220,7 +220,13 @@ int cmd_gen(int argc, char **argv) {
       for (int i = 0; i < n && same; i++) {
         char why[512];
         m3_err ve;
-        if (m3_render_valid(j.lua, &tiles[i], why, sizeof why, &ve) == M3_OK) nvalid++, same = 0;
+        m3_status vs = m3_render_valid(j.lua, &tiles[i], why, sizeof why, &ve);
+        if (vs != M3_OK && vs != M3_TILE) { /* valid() itself failed (a template error): not a verdict */
+          rc = cli_fail("gen", vs, &ve);
+          n = 0;
+          break;
+        }
+        if (vs == M3_OK) nvalid++, same = 0;
         else if (!i) snprintf(first, sizeof first, "%s", why);
         else same = !strcmp(first, why);
       }
@@ -235,13 +241,17 @@ int cmd_gen(int argc, char **argv) {
         m3_variant_print_tile(&tiles[i], t, sizeof t);
         m3_err ve;
         s = m3_render_valid(j.lua, &tiles[i], why, sizeof why, &ve);
+        if (s != M3_OK && s != M3_TILE) {
+          rc = cli_fail("gen", s, &ve);
+          break;
+        }
         nvalid += s == M3_OK;
         if (valid_only && s != M3_OK) continue;
         printf("  [%s]  %s%s%s%s\n", t, s == M3_OK ? "VALID" : "INVALID", s == M3_OK ? "" : ": ", s == M3_OK ? "" : why,
                strcmp(t, deft) ? "" : "  (default)");
       }
-      if (n) printf("%d of %d tiles valid for %s\n", nvalid, n, v.arch);
-      if (n && !nvalid) {
+      if (n && !rc) printf("%d of %d tiles valid for %s\n", nvalid, n, v.arch);
+      if (n && !rc && !nvalid) {
         fprintf(stderr, "m3kit gen: %s: no valid tile on %s\n", key, v.arch);
         rc = 1;
       }
@@ -286,7 +296,9 @@ int cmd_gen(int argc, char **argv) {
           }
           for (int q = 0; q < nt && rc == 0; q++) {
             m3_err ve;
-            if (m3_render_valid(j.lua, &tl[q], NULL, 0, &ve) != M3_OK) { invalid++; continue; }
+            m3_status vs = m3_render_valid(j.lua, &tl[q], NULL, 0, &ve);
+            if (vs == M3_TILE) { invalid++; continue; }
+            if (vs != M3_OK) { rc = cli_fail("gen", vs, &ve); break; }
             if (njobs == capjobs) {
               capjobs = capjobs ? capjobs * 2 : 64;
               jobs = realloc(jobs, sizeof *jobs * (size_t)capjobs);
