@@ -85,7 +85,10 @@ void m3_forward_free(m3_forward *f);
 
 /* Prefill: append n tokens (host ids [n]) to admitted sequence seq, in chunks
  * of max_chunk; logits of the last token [vocab] fp32 to the host (may be
- * NULL); *next receives the token chosen from them (may be NULL).
+ * NULL); *next receives the token chosen from them (may be NULL), sampled as
+ * row 0 at smp->step: a caller prefilling the sequences of a batch one by one
+ * gives each a step of its own, or they all draw the same uniform (m3kit run:
+ * step 0 for sequence 0, 2^63 + b for sequence b, never a decode step).
  * Errors: M3_RANGE (an id outside [0, vocab) - checked on the host before any
  * kernel runs, naming the token), M3_CAPACITY (beyond the admitted length),
  * M3_NUMERICS (check on), M3_CUDA, M3_CUBLAS. */

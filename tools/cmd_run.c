@@ -5,12 +5,12 @@
  * needs none: renders and compiles every kernel variant the model needs
  * (through the cubin cache), so a later GPU run starts warm. */
 #include <errno.h>
-#include <fcntl.h>
 #include <getopt.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -50,7 +50,8 @@ static void help(void) {
       "  --max-new-tokens N       tokens to generate per sequence (default 16)\n"
       "  --temperature T          sampling temperature (default 0: greedy)\n"
       "  --top-p P                nucleus sampling mass (default 1)\n"
-      "  --seed S                 seed for weights, random prompts and sampling (default 0)\n"
+      "  --seed S                 seed for weights, random prompts and sampling (default 0; every token\n"
+      "                           of every sequence draws its own uniform, keyed (seed, step, row))\n"
       "caches and schedule:\n"
       "  --kv-dtype bf16|e4m3     main KV cache dtype (default bf16)\n"
       "  --index-dtype bf16|e4m3  index-K cache and index-q dtype (default bf16)\n"
@@ -118,12 +119,63 @@ static int write_npy(const char *path, const float *x, const int64_t *shape, int
   memset(buf + 10 + n, ' ', (size_t)pad);
   buf[hbytes - 1] = '\n';
   memcpy(buf + hbytes, x, sizeof *x * count);
-  /* whole or not at all: an earlier file stays until the new one is complete */
-  m3_err e;
-  const int rc = m3_write_atomic(path, buf, bytes, &e) == M3_OK ? 0 : -1;
-  if (rc) fprintf(stderr, "m3kit run: %s\n", e.msg);
+  int rc;
+  struct stat st;
+  if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) { /* a pipe, /dev/stdout: written as it is */
+    FILE *f = fopen(path, "wb");
+    rc = f && fwrite(buf, 1, bytes, f) == bytes ? 0 : -1;
+    if (f && fclose(f) != 0) rc = -1;
+    if (rc) fprintf(stderr, "m3kit run: %s: %s\n", path, strerror(errno));
+  } else { /* whole or not at all: an earlier file stays until the new one is complete */
+    m3_err e;
+    rc = m3_write_atomic(path, buf, bytes, &e) == M3_OK ? 0 : -1;
+    if (rc) fprintf(stderr, "m3kit run: %s\n", e.msg);
+  }
   free(buf);
   return rc;
+}
+
+/* Whether --dump-logits can be written at the end of the run, checked before
+ * it without creating or truncating anything: a file that is not regular (a
+ * pipe) must be writable; else the directory of the file (of a symlink's
+ * target) takes the temp file m3_write_atomic renames over it.  0 or -1 with
+ * the reason in why. */
+static int dump_writable(const char *path, char *why, size_t n) {
+  struct stat st, lst;
+  const int exists = stat(path, &st) == 0;
+  if (exists && !S_ISREG(st.st_mode)) {
+    if (access(path, W_OK) == 0) return 0;
+    snprintf(why, n, "%s", strerror(errno));
+    return -1;
+  }
+  char target[4096];
+  if (lstat(path, &lst) == 0 && S_ISLNK(lst.st_mode)) {
+    char *real = realpath(path, NULL);
+    if (!real) {
+      snprintf(why, n, "a symlink whose target cannot be resolved: %s", strerror(errno));
+      return -1;
+    }
+    snprintf(target, sizeof target, "%s", real);
+    free(real);
+  } else {
+    snprintf(target, sizeof target, "%s", path);
+  }
+  if (exists && access(target, W_OK) != 0) {
+    snprintf(why, n, "%s", strerror(errno));
+    return -1;
+  }
+  char dir[4096];
+  snprintf(dir, sizeof dir, "%s", target);
+  char *slash = strrchr(dir, '/');
+  if (!slash) snprintf(dir, sizeof dir, ".");
+  else if (slash == dir) dir[1] = 0;
+  else *slash = 0;
+  if (access(dir, W_OK | X_OK) != 0) {
+    snprintf(why, n, "its directory %s: %s (the file is written as a temp file there, then renamed)", dir,
+             strerror(errno));
+    return -1;
+  }
+  return 0;
 }
 
 static int parse_ids(const char *s, int32_t **ids, int *n) {
@@ -592,16 +644,11 @@ int cmd_run(int argc, char **argv) {
       return 2; /* a bad option for this model, as every other option check */
     }
   }
-  if (dump) { /* writable before the run, not after it; an existing file is left as it is until the end */
-    const int existed = access(dump, F_OK) == 0;
-    const int fd = open(dump, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
-    if (fd < 0) {
-      fprintf(stderr, "m3kit run: --dump-logits %s: cannot write it: %s\n", dump, strerror(errno));
-      free(prompt1);
-      return 2;
-    }
-    close(fd);
-    if (!existed) unlink(dump);
+  char why[4400];
+  if (dump && dump_writable(dump, why, sizeof why) != 0) { /* before the run, not after it; nothing touched */
+    fprintf(stderr, "m3kit run: --dump-logits %s: cannot write it: %s\n", dump, why);
+    free(prompt1);
+    return 2;
   }
   if (m3_gpu_count() == 0) {
     if (dump) printf("m3kit run: no GPU, no logits: --dump-logits %s not written\n", dump);
