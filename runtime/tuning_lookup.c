@@ -84,15 +84,21 @@ void m3_tuning_close(struct m3_tunedb *db) {
 
 typedef struct { m3_lua *lua; const m3_variant *key; } check_ctx;
 
-static int check_tile(void *ctx, const char *tile, char *reason, size_t n) {
-  check_ctx *c = ctx;
-  m3_variant v = *c->key;
+int m3_tuning_tile_ok(m3_lua *lua, const m3_variant *key, const char *tile, char *reason, size_t n) {
+  m3_variant v = *key;
   m3_err e;
-  if (m3_variant_parse_tile(&v, tile, &e) != M3_OK || m3_render_canon(c->lua, &v, &e) != M3_OK) {
+  if (m3_variant_parse_tile(&v, tile, &e) != M3_OK || m3_render_canon(lua, &v, &e) != M3_OK) {
     snprintf(reason, n, "%s", e.msg);
     return 0;
   }
-  return m3_render_valid(c->lua, &v, reason, n, &e) == M3_OK;
+  if (m3_render_valid(lua, &v, reason, n, &e) == M3_OK) return 1;
+  if (!reason[0]) snprintf(reason, n, "%s", e.msg); /* valid() itself failed */
+  return 0;
+}
+
+static int check_tile(void *ctx, const char *tile, char *reason, size_t n) {
+  check_ctx *c = ctx;
+  return m3_tuning_tile_ok(c->lua, c->key, tile, reason, n);
 }
 
 int m3_tuning_lookup_checked(struct m3_tunedb *db, m3_lua *lua, const m3_variant *key, const struct m3_bucket *b,

@@ -43,6 +43,10 @@ void m3_tuning_close(struct m3_tunedb *db);
  * its arch) at shape `b`: exact bucket, else the nearest bucket whose tile
  * still passes the template's valid() for this key (cache/tunedb.h rule);
  * 0 means "use the template's default tile". */
+/* 1 when `tile` parses for `key` (whose arch is set) and passes its
+ * template's valid(): the check every lookup makes of a record's tile; else 0
+ * and why in reason[n] (a parse error, valid()'s reason or its failure). */
+int m3_tuning_tile_ok(m3_lua *lua, const m3_variant *key, const char *tile, char *reason, size_t n);
 int m3_tuning_lookup_checked(struct m3_tunedb *db, m3_lua *lua, const m3_variant *key, const struct m3_bucket *b,
                              char *tile, size_t n);
 

@@ -145,15 +145,11 @@ static void print_usable(const char *path, const char *arch, const char *said) {
     for (size_t i = 0; i < m3_tunedb_count(fdb); i++) {
       const m3_tune_record *r = m3_tunedb_get(fdb, i);
       m3_variant v;
-      char why[256] = "";
-      m3_status st = m3_render_parse_key(L, r->key, &v, &le);
-      if (st == M3_OK) {
-        snprintf(v.arch, sizeof v.arch, "%s", r->arch);
-        st = m3_variant_parse_tile(&v, r->tile, &le);
-      }
-      if (st == M3_OK) st = m3_render_canon(L, &v, &le);
-      if (st == M3_OK) st = m3_render_valid(L, &v, why, sizeof why, &le);
-      if (st != M3_OK && bad++ == 0) snprintf(first, sizeof first, "%.200s [%.100s]: %.250s", r->key, r->tile, le.msg);
+      char why[512] = "";
+      int ok = m3_render_parse_key(L, r->key, &v, &le) == M3_OK;
+      if (!ok) snprintf(why, sizeof why, "%.500s", le.msg);
+      else snprintf(v.arch, sizeof v.arch, "%s", r->arch), ok = m3_tuning_tile_ok(L, &v, r->tile, why, sizeof why);
+      if (!ok && bad++ == 0) snprintf(first, sizeof first, "%.200s [%.100s]: %.250s", r->key, r->tile, why);
     }
     const int again = said && !strcmp(said, frep.summary); /* the caller printed this load's summary */
     printf("  this m3kit would use %d of them for %s%s%s\n", frep.loaded - bad, arch,
