@@ -162,6 +162,23 @@ m3_status m3_write_atomic(const char *link, const void *data, size_t len, m3_err
   return M3_OK;
 }
 
+m3_status m3_write_atomic_check(const char *link, m3_err *e) {
+  char path[4200];
+  M3_TRY(follow(link, path, sizeof path, e));
+  if (access(path, F_OK) == 0 && access(path, W_OK) != 0)
+    return m3_errf(e, M3_IO, "%s: %s", path, strerror(errno));
+  char dir[4200];
+  snprintf(dir, sizeof dir, "%s", path);
+  char *slash = strrchr(dir, '/');
+  if (!slash) snprintf(dir, sizeof dir, ".");
+  else if (slash == dir) dir[1] = 0;
+  else *slash = 0;
+  if (access(dir, W_OK | X_OK) != 0)
+    return m3_errf(e, M3_IO, "%s: its directory %s: %s (the file is written there as a temp file, then renamed)",
+                   path, dir, strerror(errno));
+  return M3_OK;
+}
+
 m3_status m3_lock(const char *link, int *fd, m3_err *e) {
   char path[4200], lk[4300];
   M3_TRY(follow(link, path, sizeof path, e));

@@ -39,6 +39,11 @@ m3_status m3_read_file(const char *path, uint8_t **data, size_t *len, m3_err *e)
  * created 0644 less the umask.  Errors: M3_IO (ENOSPC, EROFS, a dangling symlink, ...)
  * naming the path; on error `path` is untouched and the temp file is removed. */
 m3_status m3_write_atomic(const char *path, const void *data, size_t len, m3_err *e);
+/* Whether m3_write_atomic(path) could run now, creating and changing
+ * nothing: the symlink resolves, an existing file is writable, and its
+ * directory takes the temp file.  For a check before long work whose result
+ * it writes.  Errors: M3_IO naming the path and what fails. */
+m3_status m3_write_atomic_check(const char *path, m3_err *e);
 
 /* An exclusive advisory lock on "<path>.lock" (path's symlink target's, for a
  * symlink), blocking.  *fd receives the lock descriptor for m3_unlock.

@@ -137,45 +137,19 @@ static int write_npy(const char *path, const float *x, const int64_t *shape, int
 
 /* Whether --dump-logits can be written at the end of the run, checked before
  * it without creating or truncating anything: a file that is not regular (a
- * pipe) must be writable; else the directory of the file (of a symlink's
- * target) takes the temp file m3_write_atomic renames over it.  0 or -1 with
- * the reason in why. */
+ * pipe) must be writable; else m3_write_atomic's own check.  0 or -1 with the
+ * reason in why. */
 static int dump_writable(const char *path, char *why, size_t n) {
-  struct stat st, lst;
-  const int exists = stat(path, &st) == 0;
-  if (exists && !S_ISREG(st.st_mode)) {
+  struct stat st;
+  if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
     if (access(path, W_OK) == 0) return 0;
     snprintf(why, n, "%s", strerror(errno));
     return -1;
   }
-  char target[4096];
-  if (lstat(path, &lst) == 0 && S_ISLNK(lst.st_mode)) {
-    char *real = realpath(path, NULL);
-    if (!real) {
-      snprintf(why, n, "a symlink whose target cannot be resolved: %s", strerror(errno));
-      return -1;
-    }
-    snprintf(target, sizeof target, "%s", real);
-    free(real);
-  } else {
-    snprintf(target, sizeof target, "%s", path);
-  }
-  if (exists && access(target, W_OK) != 0) {
-    snprintf(why, n, "%s", strerror(errno));
-    return -1;
-  }
-  char dir[4096];
-  snprintf(dir, sizeof dir, "%s", target);
-  char *slash = strrchr(dir, '/');
-  if (!slash) snprintf(dir, sizeof dir, ".");
-  else if (slash == dir) dir[1] = 0;
-  else *slash = 0;
-  if (access(dir, W_OK | X_OK) != 0) {
-    snprintf(why, n, "its directory %s: %s (the file is written as a temp file there, then renamed)", dir,
-             strerror(errno));
-    return -1;
-  }
-  return 0;
+  m3_err e;
+  if (m3_write_atomic_check(path, &e) == M3_OK) return 0;
+  snprintf(why, n, "%s", e.msg);
+  return -1;
 }
 
 static int parse_ids(const char *s, int32_t **ids, int *n) {
