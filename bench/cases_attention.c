@@ -17,13 +17,13 @@
 #define BS 128
 #define TOPK 16
 #define MAXROT 32
-/* The H200 device-to-device copy ceiling (shared/spec/h200-anchors.md). */
-#define COPY_CEILING_GBS 4278.0
 /* Reuse distance of a KV page across decode reps: over twice the H200 L2 (50-60 MB). */
 #define ROTATE_BYTES ((int64_t)128 << 20)
 
 typedef struct bench_ctx {
   m3_rt *rt;
+  double copy_gbs;      /* this run's ceilings (tools/cmd_bench.c); 0: unmeasured */
+  double gemm_tflops;
   void *pool;           /* KV pages, constant pattern */
   size_t pool_bytes;
   void *q, *out;        /* [64K, nq, hd] bf16 each */
@@ -88,8 +88,13 @@ static m3_status ensure_ws(bench_ctx *bc, bcase *c, m3_err *e) {
 
 /* One markdown row: case, key, tile, median/p20/p80 us, and for decode the
  * per-launch time in a graph (tg), the bytes, the rate and the fraction of
- * the 4.28 TB/s copy ceiling from the graph time; for prefill the FLOPs and
- * TFLOP/s from the event time. */
+ * this run's copy ceiling from the graph time; for prefill the FLOPs,
+ * TFLOP/s from the event time and the fraction of this run's cuBLAS GEMM. */
+static void pct(FILE *out, double rate, double ceiling) {
+  if (ceiling > 0) fprintf(out, "%.1f%% |\n", 100.0 * rate / ceiling);
+  else fprintf(out, "- |\n");
+}
+
 static void report(FILE *out, const bcase *c, const char *what, const m3_timing *t, const m3_timing *tg,
                    double bytes, double flops) {
   char key[M3_KEY_MAX], tile[128];
@@ -98,9 +103,12 @@ static void report(FILE *out, const bcase *c, const char *what, const m3_timing 
   fprintf(out, "| %s | `%s` | %s | %.1f | %.1f | %.1f | ", what, key, tile, t->median_us, t->p20_us, t->p80_us);
   if (bytes > 0) {
     const double gbs = bytes / (tg->median_us * 1e3);
-    fprintf(out, "%.1f | %.3g B | %.0f GB/s | %.1f%% |\n", tg->median_us, bytes, gbs, 100.0 * gbs / COPY_CEILING_GBS);
+    fprintf(out, "%.1f | %.3g B | %.0f GB/s | ", tg->median_us, bytes, gbs);
+    pct(out, gbs, c->bc->copy_gbs);
   } else {
-    fprintf(out, " | %.3g FLOP | %.1f TFLOP/s | |\n", flops, flops / (t->median_us * 1e6));
+    const double tf = flops / (t->median_us * 1e6);
+    fprintf(out, " | %.3g FLOP | %.1f TFLOP/s | ", flops, tf);
+    pct(out, tf, c->bc->gemm_tflops);
   }
   fflush(out);
 }
@@ -283,8 +291,8 @@ static m3_status prefill(bench_ctx *bc, FILE *out, int sparse, int kv8, int n, m
   return s;
 }
 
-m3_status m3_bench_attention(m3_rt *rt, FILE *out, m3_err *e) {
-  bench_ctx bc = {.rt = rt};
+m3_status m3_bench_attention(m3_rt *rt, double copy_gbs, double gemm_tflops, FILE *out, m3_err *e) {
+  bench_ctx bc = {.rt = rt, .copy_gbs = copy_gbs, .gemm_tflops = gemm_tflops};
   /* 2 GiB + 1 page: one bf16 layer of a 1M-token sequence. */
   bc.pool_bytes = ((size_t)2 << 30) + (size_t)NKV * BS * 2 * HD * 2;
   const size_t qbytes = (size_t)65536 * NQ * HD * 2;
@@ -296,12 +304,12 @@ m3_status m3_bench_attention(m3_rt *rt, FILE *out, m3_err *e) {
   if (s == M3_OK && cudaMemset(bc.q, 0x3c, qbytes) != cudaSuccess) s = m3_errf(e, M3_CUDA, "bench: memset");
   if (s == M3_OK && cudaDeviceSynchronize() != cudaSuccess) s = m3_errf(e, M3_CUDA, "bench: memset");
   if (s == M3_OK)
-    fprintf(out, "\n## attention over the paged KV cache (%s, %d SMs)\n\nDecode: KV bytes read, %% of the "
+    fprintf(out, "\n## attention over the paged KV cache (%s, %d SMs)\n\nDecode: KV bytes read, %% of this run's "
             "%.0f GB/s copy ceiling, both from the per-launch time in a CUDA graph of the rotations (graph us: how "
             "the decode step runs them); prefill: FLOPs of QK^T + P·V over the keys attended, from the event "
-            "median.\n\n"
-            "| case | variant | tile | median us | p20 | p80 | graph us/launch | work | rate | %% of copy |\n"
-            "|---|---|---|---|---|---|---|---|---|---|\n", rt->dev.name, rt->dev.sm_count, COPY_CEILING_GBS);
+            "median, %% of this run's %.0f TFLOP/s cuBLAS bf16 GEMM.\n\n"
+            "| case | variant | tile | median us | p20 | p80 | graph us/launch | work | rate | %% of ceiling |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n", rt->dev.name, rt->dev.sm_count, copy_gbs, gemm_tflops);
   static const int64_t ctxs[] = {8192, 32768, 131072, 393216, 1048576};
   static const int chunks[] = {8192, 16384, 32768, 65536};
   for (int kv8 = 0; kv8 < 2 && s == M3_OK; kv8++) {

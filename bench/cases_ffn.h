@@ -7,7 +7,8 @@
 #include "runtime/kernels.h"
 
 /* Decode weight streaming through the GEMVs, in GB/s of weight (+ scale)
- * bytes against the H200's ~4.28 TB/s copy ceiling:
+ * bytes against copy_gbs (GB/s, the device-to-device copy ceiling measured in
+ * the same run; <= 0 prints no fraction):
  *   - MoE decode: the MoE GEMV over 4 chosen experts (gate|up 6144x6144, down
  *     6144x3072), MXFP8 and bf16, rotating over 57 layers x 4 distinct experts
  *     (fewer if memory is short, never fewer than 4x L2) so every rep reads
@@ -18,6 +19,6 @@
  * One line per case on `out` (median and p20/p80 over the reps).
  * Errors: M3_CAPACITY (not even 4x L2 of experts fits), M3_CUDA, kernel
  * build errors. */
-m3_status m3_bench_ffn(m3_rt *rt, FILE *out, m3_err *e);
+m3_status m3_bench_ffn(m3_rt *rt, double copy_gbs, FILE *out, m3_err *e);
 
 #endif

@@ -7,10 +7,6 @@
 
 #include "runtime/kernels.h"
 
-/* The H200 device-to-device copy ceiling (read + write) measured in
- * shared/spec/h200-anchors.md; the report's "% of copy" uses it. */
-#define M3_BENCH_COPY_CEILING_GBS 4278.0
-
 /* Times the decode indexer (templates/index_decode.lua, tuned or default
  * tile) at the model's shapes (4 index heads x 128 dims, block 128, top-16,
  * local 1), bf16 and e4m3 index-K:
@@ -28,9 +24,10 @@
  * median, p20, p80 us of event-timed single launches, the median per launch
  * of a CUDA graph replaying the R launches back to back (the anchors' vLLM
  * numbers are graph-timed), and effective TB/s = index-K bytes of the
- * visible tokens / time against M3_BENCH_COPY_CEILING_GBS.
+ * visible tokens / time against copy_gbs (GB/s, the device-to-device copy
+ * ceiling measured in the same run; <= 0 prints "-").
  * Needs ~20 GB of GPU memory (less: fewer rotations).  Errors: M3_CUDA,
  * M3_NOMEM, M3_CAPACITY, the JIT's. */
-m3_status m3_bench_indexer(m3_rt *rt, FILE *out, m3_err *e);
+m3_status m3_bench_indexer(m3_rt *rt, double copy_gbs, FILE *out, m3_err *e);
 
 #endif
