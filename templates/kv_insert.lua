@@ -21,7 +21,8 @@ T.tiles = {
 function T.valid(k, t, arch)
   if m3.sm(arch) < 80 then return false, "needs sm_80+ (bf16 cvt)" end
   if k.hd ~= 128 then return false, "head_dim must be 128 (4 dims per lane of one warp)" end
-  if k.nq < 1 or k.nkv < 1 or k.nq % k.nkv ~= 0 then return false, "nkv must divide nq" end
+  if k.nq < 1 or k.nkv < 1 then return false, "nq and nkv must be >= 1" end
+  if k.nq % k.nkv ~= 0 then return false, "nkv must divide nq" end
   if k.bs < 1 then return false, "block size must be positive" end
   return true
 end
