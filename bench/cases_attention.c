@@ -303,13 +303,15 @@ m3_status m3_bench_attention(m3_rt *rt, double copy_gbs, double gemm_tflops, FIL
   if (s == M3_OK && cudaMemset(bc.pool, 0x3c, bc.pool_bytes) != cudaSuccess) s = m3_errf(e, M3_CUDA, "bench: memset");
   if (s == M3_OK && cudaMemset(bc.q, 0x3c, qbytes) != cudaSuccess) s = m3_errf(e, M3_CUDA, "bench: memset");
   if (s == M3_OK && cudaDeviceSynchronize() != cudaSuccess) s = m3_errf(e, M3_CUDA, "bench: memset");
+  char gemm[48] = "(unmeasured)";
+  if (gemm_tflops > 0) snprintf(gemm, sizeof gemm, "%.0f TFLOP/s", gemm_tflops);
   if (s == M3_OK)
     fprintf(out, "\n## attention over the paged KV cache (%s, %d SMs)\n\nDecode: KV bytes read, %% of this run's "
             "%.0f GB/s copy ceiling, both from the per-launch time in a CUDA graph of the rotations (graph us: how "
             "the decode step runs them); prefill: FLOPs of QK^T + P·V over the keys attended, from the event "
-            "median, %% of this run's %.0f TFLOP/s cuBLAS bf16 GEMM.\n\n"
+            "median, %% of this run's cuBLAS bf16 GEMM %s.\n\n"
             "| case | variant | tile | median us | p20 | p80 | graph us/launch | work | rate | %% of ceiling |\n"
-            "|---|---|---|---|---|---|---|---|---|---|\n", rt->dev.name, rt->dev.sm_count, copy_gbs, gemm_tflops);
+            "|---|---|---|---|---|---|---|---|---|---|\n", rt->dev.name, rt->dev.sm_count, copy_gbs, gemm);
   static const int64_t ctxs[] = {8192, 32768, 131072, 393216, 1048576};
   static const int chunks[] = {8192, 16384, 32768, 65536};
   for (int kv8 = 0; kv8 < 2 && s == M3_OK; kv8++) {
