@@ -22,8 +22,8 @@
 
 typedef struct bench_ctx {
   m3_rt *rt;
-  double copy_gbs;      /* this run's ceilings (tools/cmd_bench.c); 0: unmeasured */
-  double gemm_tflops;
+  double copy_gbs;      /* this run's ceilings (tools/cmd_bench.c): copy > 0, */
+  double gemm_tflops;   /* GEMM 0 when its measurement failed */
   void *pool;           /* KV pages, constant pattern */
   size_t pool_bytes;
   void *q, *out;        /* [64K, nq, hd] bf16 each */
@@ -90,11 +90,6 @@ static m3_status ensure_ws(bench_ctx *bc, bcase *c, m3_err *e) {
  * per-launch time in a graph (tg), the bytes, the rate and the fraction of
  * this run's copy ceiling from the graph time; for prefill the FLOPs,
  * TFLOP/s from the event time and the fraction of this run's cuBLAS GEMM. */
-static void pct(FILE *out, double rate, double ceiling) {
-  if (ceiling > 0) fprintf(out, "%.1f%% |\n", 100.0 * rate / ceiling);
-  else fprintf(out, "- |\n");
-}
-
 static void report(FILE *out, const bcase *c, const char *what, const m3_timing *t, const m3_timing *tg,
                    double bytes, double flops) {
   char key[M3_KEY_MAX], tile[128];
@@ -103,12 +98,12 @@ static void report(FILE *out, const bcase *c, const char *what, const m3_timing 
   fprintf(out, "| %s | `%s` | %s | %.1f | %.1f | %.1f | ", what, key, tile, t->median_us, t->p20_us, t->p80_us);
   if (bytes > 0) {
     const double gbs = bytes / (tg->median_us * 1e3);
-    fprintf(out, "%.1f | %.3g B | %.0f GB/s | ", tg->median_us, bytes, gbs);
-    pct(out, gbs, c->bc->copy_gbs);
+    fprintf(out, "%.1f | %.3g B | %.0f GB/s | %.1f%% |\n", tg->median_us, bytes, gbs, 100.0 * gbs / c->bc->copy_gbs);
   } else {
     const double tf = flops / (t->median_us * 1e6);
     fprintf(out, " | %.3g FLOP | %.1f TFLOP/s | ", flops, tf);
-    pct(out, tf, c->bc->gemm_tflops);
+    if (c->bc->gemm_tflops > 0) fprintf(out, "%.1f%% |\n", 100.0 * tf / c->bc->gemm_tflops);
+    else fprintf(out, "- |\n");
   }
   fflush(out);
 }

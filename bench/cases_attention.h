@@ -14,10 +14,10 @@
  *   prefill        dense and sparse chunks of 8K, 16K, 32K, 64K tokens;
  * each in bf16 and e4m3.  Writes one line per case to `out`: microseconds
  * (median, p20, p80 over the reps, CUDA events) and the rate - GB/s of KV
- * bytes read for decode, as a fraction of copy_gbs (GB/s, the device-to-device
- * copy ceiling measured in the same run), TFLOP/s of QKᵀ + P·V (4·hd FLOPs
- * per query head per key) for prefill, as a fraction of gemm_tflops (cuBLAS
- * bf16 GEMM, same run); a ceiling <= 0 prints "-".  Decode reps
+ * bytes read for decode, as a fraction of copy_gbs (GB/s > 0, the
+ * device-to-device copy ceiling measured in the same run), TFLOP/s of QKᵀ +
+ * P·V (4·hd FLOPs per query head per key) for prefill, as a fraction of
+ * gemm_tflops (cuBLAS bf16 GEMM, same run; <= 0, unmeasured, prints "-").  Decode reps
  * rotate over copies of the KV working set so that >= 128 MiB (over twice
  * the 50-60 MB L2) separate two reads of a page: L2 never serves a repeat.
  * Cache contents are a constant bf16/e4m3 pattern: the kernels' time does not

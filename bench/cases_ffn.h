@@ -7,8 +7,8 @@
 #include "runtime/kernels.h"
 
 /* Decode weight streaming through the GEMVs, in GB/s of weight (+ scale)
- * bytes against copy_gbs (GB/s, the device-to-device copy ceiling measured in
- * the same run; <= 0 prints no fraction):
+ * bytes against copy_gbs (GB/s > 0, the device-to-device copy ceiling
+ * measured in the same run):
  *   - MoE decode: the MoE GEMV over 4 chosen experts (gate|up 6144x6144, down
  *     6144x3072), MXFP8 and bf16, rotating over 57 layers x 4 distinct experts
  *     (fewer if memory is short, never fewer than 4x L2) so every rep reads

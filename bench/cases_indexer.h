@@ -24,8 +24,8 @@
  * median, p20, p80 us of event-timed single launches, the median per launch
  * of a CUDA graph replaying the R launches back to back (the anchors' vLLM
  * numbers are graph-timed), and effective TB/s = index-K bytes of the
- * visible tokens / time against copy_gbs (GB/s, the device-to-device copy
- * ceiling measured in the same run; <= 0 prints "-").
+ * visible tokens / time against copy_gbs (GB/s > 0, the device-to-device
+ * copy ceiling measured in the same run).
  * Needs ~20 GB of GPU memory (less: fewer rotations).  Errors: M3_CUDA,
  * M3_NOMEM, M3_CAPACITY, the JIT's. */
 m3_status m3_bench_indexer(m3_rt *rt, double copy_gbs, FILE *out, m3_err *e);
