@@ -96,6 +96,13 @@ static double now_s(void) {
   return t.tv_sec + t.tv_nsec / 1e9;
 }
 
+/* An existing path that is not a regular file (a pipe, /dev/stdout): written
+ * as it is, since it cannot be replaced by a rename. */
+static int is_stream(const char *path) {
+  struct stat st;
+  return stat(path, &st) == 0 && !S_ISREG(st.st_mode);
+}
+
 /* .npy version 1.0: magic, header length (u16 LE), a Python dict literal
  * padded with spaces to a multiple of 64 bytes and ending in '\n', then raw
  * little-endian float32 in C order. */
@@ -120,8 +127,7 @@ static int write_npy(const char *path, const float *x, const int64_t *shape, int
   buf[hbytes - 1] = '\n';
   memcpy(buf + hbytes, x, sizeof *x * count);
   int rc;
-  struct stat st;
-  if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) { /* a pipe, /dev/stdout: written as it is */
+  if (is_stream(path)) {
     FILE *f = fopen(path, "wb");
     rc = f && fwrite(buf, 1, bytes, f) == bytes ? 0 : -1;
     if (f && fclose(f) != 0) rc = -1;
@@ -140,8 +146,7 @@ static int write_npy(const char *path, const float *x, const int64_t *shape, int
  * pipe) must be writable; else m3_write_atomic's own check.  0 or -1 with the
  * reason in why. */
 static int dump_writable(const char *path, char *why, size_t n) {
-  struct stat st;
-  if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
+  if (is_stream(path)) {
     if (access(path, W_OK) == 0) return 0;
     snprintf(why, n, "%s", strerror(errno));
     return -1;
