@@ -1273,7 +1273,15 @@ m3_status m3_tunedb_add_code_hashes(const char *path, const m3_tunedb_filter *f,
     const char *arch = json_string_value(json_object_get(r, "arch"));
     const char *th = json_string_value(json_object_get(prov, "template_hash"));
     const char *ch = json_string_value(json_object_get(prov, "code_hash"));
-    if (!key || !tile || !arch || !th) { /* malformed: the loader's business, kept as it is */
+    /* Malformed by the loader's own test (a bad bucket, a field of the wrong
+     * type, ...): the loader's business, kept as it is. */
+    m3_tune_record pr;
+    m3_tune_candidate *pc;
+    char why[300];
+    int unk = 0;
+    const int bad = parse_record(r, &pr, &pc, &unk, why, sizeof why) != 0;
+    free(pc);
+    if (bad || !key || !tile || !arch || !th) {
       if (cnt.first_malformed < 0) cnt.first_malformed = (int)i;
       cnt.malformed++;
       continue;

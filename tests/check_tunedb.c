@@ -776,7 +776,8 @@ START_TEST(add_code_hashes_in_place) {
       REC_CODE("qknorm_rope(a=4)", "warps=2", "0ld0ld", "c1:0ld") ","                      /* code changed: left */
       "{\"key\": \"qknorm_rope(a=5)\", \"bucket\": \"tokens=1\", \"arch\": \"sm_90\", \"tile\": \"warps=2\", "
       "\"future\": [1], \"provenance\": {\"template_hash\": \"abc123\"}}" ","
-      REC_CODE("qknorm_rope(a=6)", "warps=2", "0ld0ld", "c1:c0de02") "]}\n";              /* same code: refreshed */
+      REC_CODE("qknorm_rope(a=6)", "warps=2", "0ld0ld", "c1:c0de02") ","                  /* same code: refreshed */
+      REC("qknorm_rope(a=7)", "tokens=", "sm_90", "warps=4", "550.54.15", "abc123") "]}\n";  /* bad bucket: malformed */
   write_text(path, doc, strlen(doc));
   m3_tunedb_filter f = {.template_hash = hash_of, .code_hash = code_of, .code_scheme = "c1:"};
   m3_rehash_report rr;
@@ -786,7 +787,8 @@ START_TEST(add_code_hashes_in_place) {
   ck_assert_int_eq(rr.refreshed, 1);
   ck_assert_int_eq(rr.left, 3);
   ck_assert_int_eq(rr.had, 0);
-  ck_assert_int_eq(rr.malformed, 0);
+  ck_assert_int_eq(rr.malformed, 1); /* as the loader counts it, not given a hash */
+  ck_assert_int_eq(rr.first_malformed, 6);
   m3_tunedb_report rep;
   m3_tunedb *db = load_ok(path, NULL, &rep);
   ck_assert_uint_eq(m3_tunedb_count(db), 6);
@@ -799,6 +801,7 @@ START_TEST(add_code_hashes_in_place) {
   ck_assert_str_eq(m3_tunedb_get(db, 5)->prov.template_hash, "abc123");
   ck_assert_str_eq(m3_tunedb_get(db, 5)->prov.code_hash, "c1:c0de02");
   ck_assert_int_eq(rep.unknown_fields, 2); /* "future_top" and "future" survived */
+  ck_assert_int_eq(rep.invalid, 1);
   m3_tunedb_free(db);
   /* Nothing left to give: the file is not rewritten. */
   struct stat st0, st1;
