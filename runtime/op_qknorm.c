@@ -24,6 +24,12 @@ m3_status m3_launch_qknorm_rope(const m3_kernel *k, const m3_qkr_args *a, void *
   long lph = m3_variant_tile_int(&k->key, "lph", 32);
   if (lph < 1 || lph > 32 || 32 % lph) return m3_errf(e, M3_INVAL, "qknorm_rope: tile lph=%ld must divide 32", lph);
   long items = (long)a->n_tokens * slots, per_cta = warps * hpw * (32 / lph);
+  /* The kernel's head-slot index is 32-bit: a 64-bit division by the slot
+   * count is a dozen instructions a head in a kernel that is issue-bound at
+   * prefill sizes (templates/qknorm_rope.lua). */
+  if (a->n_tokens < 0 || items >= (1L << 31))
+    return m3_errf(e, M3_INVAL, "qknorm_rope: n_tokens %d x %ld head slots is outside [0, 2^31) for one launch",
+                   a->n_tokens, slots);
   unsigned grid = (unsigned)((items + per_cta - 1) / per_cta);
   int n = a->n_tokens;
   float eps = a->eps;

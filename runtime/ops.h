@@ -21,7 +21,10 @@ m3_status m3_qknorm_key(const m3_qkr_args *a, m3_variant *v, m3_err *e);
  * whose slot_mapping entry is < 0 is padding and is skipped entirely (nothing
  * read or written for it), and rows whose position is outside [0, max_pos)
  * are skipped too, so no kernel ever reads past the cos/sin table (known
- * faults #5, #24).  Errors: M3_CUDA (launch). */
+ * faults #5, #24).  Errors: M3_INVAL (n_tokens < 0, a tile lph that does
+ * not divide 32, or n_tokens x head slots >= 2^31: the kernel indexes head
+ * slots in 32 bits, ~28M tokens a launch at minimax-m3's 77 slots),
+ * M3_CUDA (launch). */
 m3_status m3_launch_qknorm_rope(const m3_kernel *k, const m3_qkr_args *a, void *qkv, const void *q_w,
                                 const void *k_w, const void *iq_w, const void *ik_w, const void *cos_sin,
                                 int64_t max_pos, const int64_t *positions, const int64_t *slot_mapping,

@@ -24,6 +24,8 @@ T.tiles = {
   {"warps", {2, 4, 8, 16}},     -- warps (head slots) per CTA
   {"hpw", {1, 2, 4}},           -- head slots per lane group (more loads in flight)
   {"lph", {32, 16, 8}},         -- lanes per head slot (hd/lph dims a lane)
+  {"rope", {"pair", "bal"}},    -- lph = 8: NeoX partners in one lane, the rotation on half the lanes (pair)
+                                --   or spread over all 8 (bal: rotary_dim 64; three loads a vector, not two)
 }
 
 local function slots(k)
@@ -39,7 +41,8 @@ function T.valid(k, t, arch)
   if k.rot < 8 or k.rot > k.hd or k.rot % 8 ~= 0 then
     return false, "rotary_dim must be a multiple of 8 in [8, head_dim]"
   end
-  if k.nq < 1 or k.nkv < 1 or k.nq % k.nkv ~= 0 then return false, "nkv must divide nq" end
+  if k.nq < 1 or k.nkv < 1 then return false, "nq and nkv must be >= 1" end
+  if k.nq % k.nkv ~= 0 then return false, "nkv must divide nq" end
   if k.attn == "dense" and k.niq ~= 0 then return false, "dense layers have no index heads: niq must be 0" end
   if k.attn == "dense" and k.idxk ~= "bf16" then return false, "dense layers have no index side: idxk must be bf16" end
   if k.attn == "sparse" and k.niq < 1 then return false, "sparse layers need niq >= 1" end
@@ -50,13 +53,16 @@ function T.valid(k, t, arch)
     return false, "lph < 32 needs rotary_dim a multiple of 2 x hd/lph (a rotation partner one lane group away)"
   end
   if t.hpw * dpl > 32 then return false, "hpw x hd/lph > 32 dims a lane: the registers would spill" end
+  if t.rope == "bal" and (t.lph ~= 8 or k.rot ~= 64) then
+    return false, "rope=bal spreads 32 rotation pairs over 8 lanes: needs lph=8 and rotary_dim 64"
+  end
   if t.warps * t.hpw * (32 // t.lph) > slots(k) * 64 then
     return false, "CTA covers more head slots than 64 tokens hold"
   end
   return true
 end
 
-function T.default_tile(k, arch) return {warps = 4, hpw = 1, lph = 32} end
+function T.default_tile(k, arch) return {warps = 4, hpw = 1, lph = 32, rope = "pair"} end
 
 function T.variants(c)
   local out = {}
@@ -106,7 +112,15 @@ local body = [[
  * rotary dims, the others the rest, and each 16-byte load instruction of the
  * group still covers whole 32-byte sectors. */
 #define PR (ROT / 16)
-#define PAIRED (DPL == 16 && ROT % 16 == 0 && 16 % (2 * PR) == 0)
+/* BAL (tile rope=bal: lph = 8, ROT = 64, minimax-m3's partial rotary): the
+ * rotation's work spread over all 8 lanes instead of PAIRED's 4 (whose other
+ * 4 lanes issue the same rotation instructions, predicated off, where the
+ * insert variants are issue-bound), for a third load instruction a vector.
+ * Lane j holds three pieces: dims 4j..4j+3 (elements 0-3), their NeoX
+ * partners 32+4j.. (4-7) and the unrotated 64+8j.. (8-15); each of the three
+ * load instructions of a group covers 64, 64 and 128 contiguous bytes. */
+#define BAL $bal
+#define PAIRED (!BAL && DPL == 16 && ROT % 16 == 0 && 16 % (2 * PR) == 0)
 /* Dim offset of the lane's piece c (of DPL / 8) from j * DPL, the base
  * every caller passes. */
 M3_DEV int piece(int c) {
@@ -132,10 +146,21 @@ M3_DEV float pk_at(const pk &p, int i) {
 M3_DEV unsigned pack2(float a, float b) {
   return (unsigned)f32_to_bf16(a) | ((unsigned)f32_to_bf16(b) << 16);
 }
+#if BAL
+/* Element offsets (from the head's start) of the lane's three BAL pieces. */
+M3_DEV int bal_j() { return (threadIdx.x & 31) % LPH; }
+#endif
 /* DPL bf16 at p, DPL*2-byte aligned: one 8-byte load at DPL 4, else 16-byte ones. */
 M3_DEV pk loadpk(const bf16_t *p) {
   pk r;
-#if DPL == 4
+#if BAL
+  const int j = bal_j();
+  const bf16_t *h = p - j * DPL;
+  const uint2 a = *(const uint2 *)(h + 4 * j), b = *(const uint2 *)(h + ROT / 2 + 4 * j);
+  const uint4 c = *(const uint4 *)(h + ROT + 8 * j);
+  r.u[0] = a.x; r.u[1] = a.y; r.u[2] = b.x; r.u[3] = b.y;
+  r.u[4] = c.x; r.u[5] = c.y; r.u[6] = c.z; r.u[7] = c.w;
+#elif DPL == 4
   uint2 u = *(const uint2 *)p;
   r.u[0] = u.x; r.u[1] = u.y;
 #else
@@ -148,7 +173,13 @@ M3_DEV pk loadpk(const bf16_t *p) {
   return r;
 }
 M3_DEV void storepk(bf16_t *p, const pk &x) {
-#if DPL == 4
+#if BAL
+  const int j = bal_j();
+  bf16_t *h = p - j * DPL;
+  *(uint2 *)(h + 4 * j) = make_uint2(x.u[0], x.u[1]);
+  *(uint2 *)(h + ROT / 2 + 4 * j) = make_uint2(x.u[2], x.u[3]);
+  *(uint4 *)(h + ROT + 8 * j) = make_uint4(x.u[4], x.u[5], x.u[6], x.u[7]);
+#elif DPL == 4
   *(uint2 *)p = make_uint2(x.u[0], x.u[1]);
 #else
 #pragma unroll
@@ -167,7 +198,14 @@ M3_DEV pk zeropk() {
   return r;
 }
 M3_DEV void store4_bf16(bf16_t *p, const f4 &x) {
-#if DPL == 4
+#if BAL
+  const int j = bal_j();
+  bf16_t *h = p - j * DPL;
+  const float *v = x.v;
+  *(uint2 *)(h + 4 * j) = make_uint2(pack2(v[0], v[1]), pack2(v[2], v[3]));
+  *(uint2 *)(h + ROT / 2 + 4 * j) = make_uint2(pack2(v[4], v[5]), pack2(v[6], v[7]));
+  *(uint4 *)(h + ROT + 8 * j) = make_uint4(pack2(v[8], v[9]), pack2(v[10], v[11]), pack2(v[12], v[13]), pack2(v[14], v[15]));
+#elif DPL == 4
   *(uint2 *)p = make_uint2(pack2(x.v[0], x.v[1]), pack2(x.v[2], x.v[3]));
 #else
 #pragma unroll
@@ -178,11 +216,25 @@ M3_DEV void store4_bf16(bf16_t *p, const f4 &x) {
 #endif
 }
 M3_DEV unsigned pack4_e4m3(const float *v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  /* two values a cvt (f32_to_e4m3 converts one and masks): the same bytes */
+  unsigned short lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(v[1]), "f"(v[0]));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(v[3]), "f"(v[2]));
+  return (unsigned)lo | ((unsigned)hi << 16);
+#else
   return (unsigned)f32_to_e4m3(v[0]) | ((unsigned)f32_to_e4m3(v[1]) << 8) |
          ((unsigned)f32_to_e4m3(v[2]) << 16) | ((unsigned)f32_to_e4m3(v[3]) << 24);
+#endif
 }
 M3_DEV void store4_e4m3(e4m3_t *p, const f4 &x) {
-#if DPL == 4
+#if BAL
+  const int j = bal_j();
+  e4m3_t *h = p - j * DPL;
+  *(unsigned *)(h + 4 * j) = pack4_e4m3(x.v);
+  *(unsigned *)(h + ROT / 2 + 4 * j) = pack4_e4m3(x.v + 4);
+  *(uint2 *)(h + ROT + 8 * j) = make_uint2(pack4_e4m3(x.v + 8), pack4_e4m3(x.v + 12));
+#elif DPL == 4
   *(unsigned *)p = pack4_e4m3(x.v);
 #elif DPL == 8
   *(uint2 *)p = make_uint2(pack4_e4m3(x.v), pack4_e4m3(x.v + 4));
@@ -215,6 +267,14 @@ M3_DEV double group_sum_d(double v) {
  * head vector, cos/sin once the position has been checked. */
 struct aux { pk w, c, s; };
 M3_DEV void load_cos_sin(aux &a, const bf16_t *cs, int j) {
+#if BAL
+  /* the 4 angles of the lane's pairs: 4 cos, 4 sin */
+  a.c = a.s = zeropk();
+  const uint2 c = *(const uint2 *)(cs + 4 * j), s = *(const uint2 *)(cs + ROT / 2 + 4 * j);
+  a.c.u[0] = c.x; a.c.u[1] = c.y;
+  a.s.u[0] = s.x; a.s.u[1] = s.y;
+  return;
+#endif
 #if PAIRED
   /* both pieces rotate by the same angles: 8 cos and 8 sin */
   a.c = a.s = zeropk();
@@ -244,6 +304,17 @@ M3_DEV f4 norm_rope(const pk &xp, const aux &a, float eps, int j) {
   ss = group_sum_d(ss);
   float r = __frcp_rn(__fsqrt_rn(__fadd_rn(__fmul_rn((float)ss, 1.0f / HD), eps)));
   f4 x;
+#if BAL
+  for (int i = 0; i < 4; i++) {
+    const float v0 = __fmul_rn(__fmul_rn(pk_at(xp, i), r), __fadd_rn(1.0f, pk_at(a.w, i)));
+    const float v1 = __fmul_rn(__fmul_rn(pk_at(xp, 4 + i), r), __fadd_rn(1.0f, pk_at(a.w, 4 + i)));
+    const float c = pk_at(a.c, i), s = pk_at(a.s, i);
+    x.v[i] = __fsub_rn(__fmul_rn(v0, c), __fmul_rn(v1, s));
+    x.v[4 + i] = __fadd_rn(__fmul_rn(v1, c), __fmul_rn(v0, s));
+  }
+  for (int i = 8; i < 16; i++) x.v[i] = __fmul_rn(__fmul_rn(pk_at(xp, i), r), __fadd_rn(1.0f, pk_at(a.w, i)));
+  return x;
+#endif
 #if PAIRED
   const int rot = j < PR;
   for (int i = 0; i < 8; i++) {
@@ -287,7 +358,8 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
      int n_tokens, i64 max_pos, float eps) {
   M3_GRID_WAIT(); /* before any global access (lib/prelude.lua) */
   const int lane = threadIdx.x & 31, j = lane % LPH, g = lane / LPH;
-  const i64 warp = (i64)blockIdx.x * WARPS + (threadIdx.x >> 5);
+  /* 32-bit slot indices: the launcher refuses n_tokens x SLOTS >= 2^31. */
+  const unsigned warp = blockIdx.x * WARPS + (threadIdx.x >> 5);
   /* Three passes over the lane group's HPW head slots (a warp's GPW groups
    * take adjacent slots: adjacent heads of a row, contiguous bytes).  First every load that
    * needs only the token index is issued at once: its slot and position, the
@@ -305,13 +377,13 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
   int sl[HPW];
 #pragma unroll
   for (int h = 0; h < HPW; h++) {
-    const i64 item = (warp * HPW + h) * GPW + g;
+    const unsigned item = (warp * HPW + h) * GPW + g;
     sl[h] = -1;
 #if LPH < 32
     xin[h] = ax[h].w = ax[h].c = ax[h].s = zeropk(); /* dropped slots still join the shuffles */
 #endif
-    if (item >= (i64)n_tokens * SLOTS) continue;
-    const i64 t = item / SLOTS;
+    if (item >= (unsigned)n_tokens * SLOTS) continue;
+    const unsigned t = item / SLOTS;
     const int s = (int)(item - t * SLOTS);
     slt[h] = INSERT ? slot_mapping[t] : -1;
     psn[h] = positions[t];
@@ -343,7 +415,13 @@ $sym(bf16_t *__restrict__ qkv,                 /* [N, ROW] in/out */
 #if LPH < 32
   f4 xn[HPW];
 #pragma unroll
-  for (int h = 0; h < HPW; h++) xn[h] = norm_rope(xin[h], ax[h], eps, j);
+  for (int h = 0; h < HPW; h++) {
+    /* ... except where no group of the warp needs it: a warp of V heads only
+     * (copied as they are) or of dropped slots skips the norm, warp-uniformly
+     * so the shuffles stay whole. */
+    const int need = sl[h] >= 0 && !(INSERT && sl[h] >= NQ + NKV && sl[h] < NQ + 2 * NKV);
+    if (__any_sync(0xffffffffu, need)) xn[h] = norm_rope(xin[h], ax[h], eps, j);
+  }
 #define NORMED(h) xn[h]
 #else
 #define NORMED(h) norm_rope(xin[h], ax[h], eps, j)
@@ -416,7 +494,7 @@ function T.render(k, t, arch, sym)
     nq = k.nq, nkv = k.nkv, niq = k.niq, rot = k.rot, bs = k.bs,
     sparse = k.attn == "sparse" and 1 or 0, insert = k.insert,
     kv_e4m3 = k.kv == "e4m3" and 1 or 0, idx_e4m3 = k.idxk == "e4m3" and 1 or 0,
-    warps = t.warps, hpw = t.hpw, lph = t.lph, sym = sym,
+    warps = t.warps, hpw = t.hpw, lph = t.lph, bal = t.rope == "bal" and 1 or 0, sym = sym,
   }
   local src = body:gsub("%$([%w_]+)", function(n)
     if v[n] == nil then error("qknorm_rope: no value for $" .. n) end

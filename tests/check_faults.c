@@ -47,8 +47,8 @@
 
 /* Four tiles of one variant: four distinct entries, each a real NVRTC build. */
 #define QKV "qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=e4m3,nq=64,nkv=4,niq=4,hd=128,rot=64,bs=128)"
-static const char *keys[] = {QKV "[warps=4,hpw=1,lph=32]@sm_90", QKV "[warps=2,hpw=1,lph=32]@sm_90", QKV "[warps=8,hpw=1,lph=32]@sm_90",
-                             QKV "[warps=4,hpw=2,lph=32]@sm_90"};
+static const char *keys[] = {QKV "[warps=4,hpw=1,lph=32,rope=pair]@sm_90", QKV "[warps=2,hpw=1,lph=32,rope=pair]@sm_90", QKV "[warps=8,hpw=1,lph=32,rope=pair]@sm_90",
+                             QKV "[warps=4,hpw=2,lph=32,rope=pair]@sm_90"};
 #define NKEYS ((int)(sizeof keys / sizeof *keys))
 #define TPL_HASH "faults0123456789"
 
@@ -357,7 +357,7 @@ static m3_tune_record rec_for(const char *key, int64_t tokens, char *tile, size_
   r.key = key;
   m3_bucket_add(&r.bucket, "tokens", tokens, NULL);
   r.arch = "sm_90";
-  snprintf(tile, tn, "warps=%d,hpw=1,lph=32", 1 << (tokens % 4));
+  snprintf(tile, tn, "warps=%d,hpw=1,lph=32,rope=pair", 1 << (tokens % 4));
   r.tile = tile;
   r.prov.template_hash = TPL_HASH;
   r.prov.driver_version = "550.54.15";

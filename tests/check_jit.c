@@ -17,7 +17,7 @@
 #include "runtime/model_dims.h"
 #include "runtime/nvrtc.h"
 
-#define QK "qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=e4m3,nq=64,nkv=4,niq=4,hd=128,rot=64,bs=128)[warps=4,hpw=1,lph=32]@sm_90"
+#define QK "qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=e4m3,nq=64,nkv=4,niq=4,hd=128,rot=64,bs=128)[warps=4,hpw=1,lph=32,rope=pair]@sm_90"
 
 static char dir[64];
 

@@ -244,9 +244,11 @@ START_TEST(every_variant_every_T) {
   int vi = _i / 4, T = Ts[_i % 4];
   if (m3_test_emulated() && T > 128) return; /* the CPU emulator: small shapes */
   run(variant_args(vi, T), (opts_t){.pad_every = 7, .q_out = 1, .iq_out = 1});
-  /* Several heads a warp (lane groups of 8 or 16) take another code path. */
-  static const char *const groupings[] = {"warps=4,hpw=1,lph=8", "warps=4,hpw=2,lph=16", "warps=2,hpw=2,lph=8"};
-  const char *grouped = groupings[_i % 3];
+  /* Several heads a warp (lane groups of 8 or 16) take another code path,
+   * and lph=8 two lane layouts (rope). */
+  static const char *const groupings[] = {"warps=4,hpw=1,lph=8,rope=pair", "warps=4,hpw=2,lph=16,rope=pair",
+                                          "warps=2,hpw=2,lph=8,rope=bal", "warps=4,hpw=1,lph=8,rope=bal"};
+  const char *grouped = groupings[_i % 4];
   run(variant_args(vi, T), (opts_t){.pad_every = 7, .q_out = 1, .iq_out = 1, .tile = grouped});
 }
 END_TEST
@@ -285,7 +287,8 @@ END_TEST
  * positions 0, 700, 1000, 2355 with an all-ones input. */
 START_TEST(neox_pairing_every_variant) {
   m3_qkr_args a = variant_args(_i % 9, 1);
-  const char *tile = _i >= 9 ? "warps=4,hpw=1,lph=8" : NULL; /* partner 2 lanes away, not 8 */
+  /* lph=8: the partner in the same lane (pair), or all 8 lanes rotating (bal) */
+  const char *tile = _i >= 9 ? (_i & 1 ? "warps=4,hpw=1,lph=8,rope=bal" : "warps=4,hpw=1,lph=8,rope=pair") : NULL;
   size_t row = row_of(&a);
   m3_bf16 *in = calloc(row, sizeof *in), *got = calloc(row, sizeof *got);
   for (size_t h = 0; h < row / 128; h++) {
@@ -339,8 +342,11 @@ START_TEST(short_metadata_and_padding) {
   opts_t o = {.pad_every = 2, .q_out = 1, .iq_out = 1, .pos_in = pos}; /* row 1 is padding */
   run(b, o);
   /* The same with 4 heads a warp: dropped slots still join the group's shuffles. */
-  run(a, (opts_t){.q_out = 1, .iq_out = 1, .tile = "warps=2,hpw=1,lph=8"});
-  o.tile = "warps=2,hpw=1,lph=8";
+  run(a, (opts_t){.q_out = 1, .iq_out = 1, .tile = "warps=2,hpw=1,lph=8,rope=pair"});
+  o.tile = "warps=2,hpw=1,lph=8,rope=pair";
+  run(b, o);
+  run(a, (opts_t){.q_out = 1, .iq_out = 1, .tile = "warps=2,hpw=1,lph=8,rope=bal"});
+  o.tile = "warps=2,hpw=1,lph=8,rope=bal";
   run(b, o);
 }
 END_TEST

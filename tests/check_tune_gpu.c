@@ -28,7 +28,7 @@ static void run_tune(const char *hook, m3_tune_result *res) {
   const int emu = m3_test_emulated();
   m3_tune_opts o = {.preset = "minimax-m3", .only = "qknorm_rope", .shapes = emu ? "tokens=4" : "tokens=64",
                     .variant = emu ? "attn=sparse,insert=1,kv=bf16" : NULL,
-                    .tiles = emu ? "warps=4,hpw=1,lph=32;warps=8,hpw=1,lph=32;warps=4,hpw=2,lph=32" : NULL, .reps = 20, .db_path = dbfile};
+                    .tiles = emu ? "warps=4,hpw=1,lph=32,rope=pair;warps=8,hpw=1,lph=32,rope=pair;warps=4,hpw=2,lph=32,rope=pair" : NULL, .reps = 20, .db_path = dbfile};
   m3_err e;
   ck_assert_msg(m3_tune_run(&g_rt, &o, res, &e) == M3_OK, "%s", e.msg);
   unsetenv("M3KIT_TUNE_TEST_HOOK");
@@ -37,9 +37,9 @@ static void run_tune(const char *hook, m3_tune_result *res) {
 
 START_TEST(broken_candidate_rejected) {
   m3_tune_result res;
-  run_tune("broken=warps=8,hpw=1,lph=32", &res);
+  run_tune("broken=warps=8,hpw=1,lph=32,rope=pair", &res);
   for (int i = 0; i < res.n_rows; i++) {
-    ck_assert_str_ne(res.rows[i].tile, "warps=8,hpw=1,lph=32");
+    ck_assert_str_ne(res.rows[i].tile, "warps=8,hpw=1,lph=32,rope=pair");
     ck_assert_int_ge(res.rows[i].n_incorrect, 1);
   }
   m3_tune_result_free(&res);
@@ -51,10 +51,10 @@ START_TEST(broken_candidate_rejected) {
   ck_assert_uint_gt(m3_tunedb_count(db), 0);
   for (size_t i = 0; i < m3_tunedb_count(db); i++) {
     const m3_tune_record *r = m3_tunedb_get(db, i);
-    ck_assert_str_ne(r->tile, "warps=8,hpw=1,lph=32");
+    ck_assert_str_ne(r->tile, "warps=8,hpw=1,lph=32,rope=pair");
     int seen = 0;
     for (size_t c = 0; c < r->n_candidates; c++)
-      if (!strcmp(r->candidates[c].tile, "warps=8,hpw=1,lph=32")) {
+      if (!strcmp(r->candidates[c].tile, "warps=8,hpw=1,lph=32,rope=pair")) {
         ck_assert_int_eq(r->candidates[c].disposition, M3_DISP_INCORRECT);
         seen = 1;
       }
@@ -70,10 +70,10 @@ START_TEST(slow_candidate_never_wins_and_times_exclude_compiles) {
     /* Round 0 event-timed where the kernel is long; the others (and the
      * emulator's one) with every candidate re-timed as a CUDA graph. */
     if (round > 0 || m3_test_emulated()) setenv("M3KIT_TUNE_GRAPH_US", "1e12", 1);
-    run_tune("slow=warps=4,hpw=2,lph=32", &res);
+    run_tune("slow=warps=4,hpw=2,lph=32,rope=pair", &res);
     unsetenv("M3KIT_TUNE_GRAPH_US");
     for (int i = 0; i < res.n_rows; i++) {
-      ck_assert_str_ne(res.rows[i].tile, "warps=4,hpw=2,lph=32");
+      ck_assert_str_ne(res.rows[i].tile, "warps=4,hpw=2,lph=32,rope=pair");
       /* A ~tens-of-microseconds kernel; NVRTC takes ~100 ms: no recorded time
        * can contain a compile.  (Emulated times are CPU times: no bound.) */
       if (!m3_test_emulated()) ck_assert_msg(res.rows[i].tuned_us < 1000.0, "tuned %g us", res.rows[i].tuned_us);

@@ -20,7 +20,7 @@ static void teardown(void) { m3_lua_close(L); }
 #define QK "qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=e4m3,nq=64,nkv=4,niq=4,hd=128,rot=64,bs=128)"
 
 START_TEST(round_trip) {
-  const char *keys[] = {QK, QK "[warps=4,hpw=1,lph=32]", QK "[warps=8,hpw=2,lph=16]@sm_90a", QK "@sm_120"};
+  const char *keys[] = {QK, QK "[warps=4,hpw=1,lph=32,rope=pair]", QK "[warps=8,hpw=2,lph=16,rope=pair]@sm_90a", QK "@sm_120"};
   for (size_t i = 0; i < sizeof keys / sizeof *keys; i++) {
     m3_variant v;
     m3_err e;
@@ -60,7 +60,7 @@ START_TEST(rejects_with_reasons) {
   expect_reject("qknorm_rope(attn=sparse)", M3_KEY, "missing axis 'insert'");
   expect_reject("qknorm_rope(attn=sparse,insert=1,kv=fp4,idxk=e4m3,nq=64,nkv=4,niq=4,hd=128,rot=64,bs=128)", M3_KEY, "kv=fp4 is not one of bf16|e4m3");
   expect_reject("qknorm_rope(attn=sparse,insert=2,kv=bf16,idxk=e4m3,nq=64,nkv=4,niq=4,hd=128,rot=64,bs=128)", M3_KEY, "insert=2 is not one of 0|1");
-  expect_reject(QK "[warps=3,hpw=1,lph=32]", M3_KEY, "warps=3 is not one of");
+  expect_reject(QK "[warps=3,hpw=1,lph=32,rope=pair]", M3_KEY, "warps=3 is not one of");
   expect_reject("qknorm_rope(attn=sparse,colour=red,insert=1,kv=bf16,idxk=e4m3,nq=64,nkv=4,niq=4,hd=128,rot=64,bs=128)", M3_KEY, "unknown axis 'colour'");
   expect_reject("qknorm_rope(attn=sparse,attn=dense)", M3_KEY, "duplicate");
   expect_reject("qknorm_rope(attn=sparse", M3_KEY, "column");
@@ -84,11 +84,11 @@ static void expect_invalid(const char *key, const char *needle) {
 }
 
 START_TEST(invalid_combinations_have_reasons) {
-  expect_invalid("qknorm_rope(attn=dense,insert=1,kv=bf16,idxk=e4m3,nq=64,nkv=4,niq=0,hd=128,rot=64,bs=128)[warps=4,hpw=1,lph=32]@sm_90", "idxk must be bf16");
-  expect_invalid("qknorm_rope(attn=dense,insert=0,kv=e4m3,idxk=bf16,nq=64,nkv=4,niq=0,hd=128,rot=64,bs=128)[warps=4,hpw=1,lph=32]@sm_90", "insert=1");
-  expect_invalid("qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=bf16,nq=64,nkv=4,niq=4,hd=64,rot=64,bs=128)[warps=4,hpw=1,lph=32]@sm_90", "head_dim must be 128");
-  expect_invalid("qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=bf16,nq=64,nkv=4,niq=4,hd=128,rot=60,bs=128)[warps=4,hpw=1,lph=32]@sm_90", "multiple of 8");
-  expect_invalid("qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=bf16,nq=64,nkv=3,niq=4,hd=128,rot=64,bs=128)[warps=4,hpw=1,lph=32]@sm_90", "divide");
+  expect_invalid("qknorm_rope(attn=dense,insert=1,kv=bf16,idxk=e4m3,nq=64,nkv=4,niq=0,hd=128,rot=64,bs=128)[warps=4,hpw=1,lph=32,rope=pair]@sm_90", "idxk must be bf16");
+  expect_invalid("qknorm_rope(attn=dense,insert=0,kv=e4m3,idxk=bf16,nq=64,nkv=4,niq=0,hd=128,rot=64,bs=128)[warps=4,hpw=1,lph=32,rope=pair]@sm_90", "insert=1");
+  expect_invalid("qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=bf16,nq=64,nkv=4,niq=4,hd=64,rot=64,bs=128)[warps=4,hpw=1,lph=32,rope=pair]@sm_90", "head_dim must be 128");
+  expect_invalid("qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=bf16,nq=64,nkv=4,niq=4,hd=128,rot=60,bs=128)[warps=4,hpw=1,lph=32,rope=pair]@sm_90", "multiple of 8");
+  expect_invalid("qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=bf16,nq=64,nkv=3,niq=4,hd=128,rot=64,bs=128)[warps=4,hpw=1,lph=32,rope=pair]@sm_90", "divide");
   expect_invalid("attn_dense(mode=decode,kv=bf16,nq=0,nkv=4,hd=128,bs=128)[warps=8,ctas=1,depth=1,cvt=alu,lead=0,merge=fence]@sm_90", "positive");
   expect_invalid("attn_dense(mode=decode,kv=bf16,nq=64,nkv=4,hd=128,bs=128)[warps=8,ctas=1,depth=2,cvt=alu,lead=0,merge=fence]@sm_90", "e4m3");
   expect_invalid("attn_sparse(mode=decode,kv=bf16,nq=64,nkv=4,hd=128,bs=128,topk=16)[warps=8,ctas=1,depth=1,cvt=hw,merge=fence]@sm_90", "e4m3 only");
@@ -97,7 +97,7 @@ START_TEST(invalid_combinations_have_reasons) {
   expect_invalid("attn_sparse(mode=prefill,kv=bf16,nq=64,nkv=4,hd=128,bs=128,topk=16)[warps=4,ctas=1,depth=1,cvt=alu,merge=acqrel]@sm_90",
                  "decode only");
   expect_invalid("index_decode(idxk=bf16,heads=4,hd=128,bs=128,topk=16,init=0,local=1)[warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=1,merge=fence]@sm_80", "sm_90");
-  expect_invalid(QK "[warps=4,hpw=1,lph=32]@sm_75", "sm_80");
+  expect_invalid(QK "[warps=4,hpw=1,lph=32,rope=pair]@sm_75", "sm_80");
 }
 END_TEST
 
@@ -109,7 +109,7 @@ START_TEST(default_tile_and_tile_space) {
   ck_assert_int_eq(m3_render_default_tile(L, &v, &e), M3_OK);
   ck_assert_int_eq(m3_render_valid(L, &v, NULL, 0, &e), M3_OK);
   ck_assert_int_eq(m3_render_tiles(L, &v, &t, &n, &e), M3_OK);
-  ck_assert_int_eq(n, 4 * 3 * 3); /* warps x hpw x lph */
+  ck_assert_int_eq(n, 4 * 3 * 3 * 2); /* warps x hpw x lph x rope */
   char a[M3_KEY_MAX], b[M3_KEY_MAX];
   for (int i = 0; i < n; i++)
     for (int j = i + 1; j < n; j++) {

@@ -35,7 +35,7 @@ static void help(void) {
       "  -j, --jobs N           parallel NVRTC compilations for --all (default: all cores)\n"
       "  --help\n\n"
       "KEY is a variant key, e.g. 'qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=e4m3,nq=64,nkv=4,niq=4,hd=128,rot=64,bs=128)'\n"
-      "optionally followed by a tile naming every tile axis, '[warps=4,hpw=1,lph=32]', and an arch '@sm_90'\n"
+      "optionally followed by a tile naming every tile axis, '[warps=4,hpw=1,lph=32,rope=pair]', and an arch '@sm_90'\n"
       "(--tiles KEY lists the tiles; an arch in KEY and --arch must agree).\n");
 }
 
