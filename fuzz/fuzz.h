@@ -141,7 +141,7 @@ static inline void fuzz_note(const char *what, m3_status s, const char *msg) {
 /* The key text of every cubin seed entry and of every load in fuzz_cubin:
  * the harness can only reach past the key check with the key it was given. */
 #define FUZZ_CUBIN_VARIANT \
-  "qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=e4m3,nq=64,nkv=4,niq=4,hd=128,rot=64,bs=128)[warps=4,hpw=1,lph=32]@sm_90"
+  "qknorm_rope(attn=sparse,insert=1,kv=bf16,idxk=e4m3,nq=64,nkv=4,niq=4,hd=128,rot=64,bs=128)[warps=4,hpw=1,lph=32,rope=pair]@sm_90"
 #define FUZZ_CUBIN_SOURCE "extern \"C\" __global__ void m3k_fuzz(int *p) { *p = 1; }\n"
 #define FUZZ_CUBIN_OPTIONS "--gpu-architecture=sm_90 -default-device -std=c++17"
 #define FUZZ_CUBIN_NVRTC 12040

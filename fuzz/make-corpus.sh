@@ -45,12 +45,12 @@ for preset in minimax-m3 tiny; do
   done
 done
 k=$("$B/m3kit" gen --list --preset minimax-m3 | grep '^qknorm_rope(' | tail -1)
-printf '%s[warps=4,hpw=1,lph=32]@sm_90' "$k" > "$OUT/variant/key-tile-arch"
+printf '%s[warps=4,hpw=1,lph=32,rope=pair]@sm_90' "$k" > "$OUT/variant/key-tile-arch"
 printf '%s@sm_100a' "$k" > "$OUT/variant/key-arch-only"
 
 # Kernel sources: small rendered templates (the normaliser's real input) and
 # the C corners it must lex (splices, raw strings, digit separators).
-"$B/m3kit" gen --emit "$k[warps=4,hpw=1,lph=32]@sm_90" | tail -n 60 > "$OUT/code_hash/qknorm-tail.cu"
+"$B/m3kit" gen --emit "$k[warps=4,hpw=1,lph=32,rope=pair]@sm_90" | tail -n 60 > "$OUT/code_hash/qknorm-tail.cu"
 printf 'auto s = R"x(a" // b\\\n)x"; int n = 1'"'"'000; // c \\\nx = 1;\n#define A 1 /*\n*/ B\n' > "$OUT/code_hash/corners.cu"
 
 du -sh "$OUT"

@@ -147,10 +147,12 @@ M3_DEV unsigned pack2(float a, float b) {
   return (unsigned)f32_to_bf16(a) | ((unsigned)f32_to_bf16(b) << 16);
 }
 #if BAL
-/* Element offsets (from the head's start) of the lane's three BAL pieces. */
+/* The lane's index in its group.  The BAL helpers take p = the head's start
+ * + j * DPL, as every caller passes, and step back to the head's start. */
 M3_DEV int bal_j() { return (threadIdx.x & 31) % LPH; }
 #endif
-/* DPL bf16 at p, DPL*2-byte aligned: one 8-byte load at DPL 4, else 16-byte ones. */
+/* DPL bf16 at p, DPL*2-byte aligned: one 8-byte load at DPL 4, BAL's three
+ * (8, 8, 16 bytes), else 16-byte ones. */
 M3_DEV pk loadpk(const bf16_t *p) {
   pk r;
 #if BAL

@@ -245,11 +245,12 @@ START_TEST(every_variant_every_T) {
   if (m3_test_emulated() && T > 128) return; /* the CPU emulator: small shapes */
   run(variant_args(vi, T), (opts_t){.pad_every = 7, .q_out = 1, .iq_out = 1});
   /* Several heads a warp (lane groups of 8 or 16) take another code path,
-   * and lph=8 two lane layouts (rope). */
+   * and lph=8 two lane layouts (rope): every one at every T. */
   static const char *const groupings[] = {"warps=4,hpw=1,lph=8,rope=pair", "warps=4,hpw=2,lph=16,rope=pair",
-                                          "warps=2,hpw=2,lph=8,rope=bal", "warps=4,hpw=1,lph=8,rope=bal"};
-  const char *grouped = groupings[_i % 4];
-  run(variant_args(vi, T), (opts_t){.pad_every = 7, .q_out = 1, .iq_out = 1, .tile = grouped});
+                                          "warps=2,hpw=2,lph=8,rope=pair", "warps=2,hpw=2,lph=8,rope=bal",
+                                          "warps=4,hpw=1,lph=8,rope=bal"};
+  for (int g = 0; g < 5; g++)
+    run(variant_args(vi, T), (opts_t){.pad_every = 7, .q_out = 1, .iq_out = 1, .tile = groupings[g]});
 }
 END_TEST
 
@@ -287,8 +288,10 @@ END_TEST
  * positions 0, 700, 1000, 2355 with an all-ones input. */
 START_TEST(neox_pairing_every_variant) {
   m3_qkr_args a = variant_args(_i % 9, 1);
-  /* lph=8: the partner in the same lane (pair), or all 8 lanes rotating (bal) */
-  const char *tile = _i >= 9 ? (_i & 1 ? "warps=4,hpw=1,lph=8,rope=bal" : "warps=4,hpw=1,lph=8,rope=pair") : NULL;
+  /* the default tile (lph=32: partner 2 lanes away), then lph=8 with the
+   * partner in the same lane (pair) or all 8 lanes rotating (bal) */
+  static const char *const tiles[] = {NULL, "warps=4,hpw=1,lph=8,rope=pair", "warps=4,hpw=1,lph=8,rope=bal"};
+  const char *tile = tiles[_i / 9];
   size_t row = row_of(&a);
   m3_bf16 *in = calloc(row, sizeof *in), *got = calloc(row, sizeof *got);
   for (size_t h = 0; h < row / 128; h++) {
@@ -456,7 +459,7 @@ static Suite *make(void) {
   tcase_add_loop_test(tc, every_variant_every_T, 0, 9 * 4);
   tcase_add_loop_test(tc, in_place_outputs, 0, 2);
   tcase_add_loop_test(tc, every_valid_tile_same_answer, 0, 9);
-  tcase_add_loop_test(tc, neox_pairing_every_variant, 0, 18);
+  tcase_add_loop_test(tc, neox_pairing_every_variant, 0, 27);
   tcase_add_test(tc, short_metadata_and_padding);
   tcase_add_loop_test(tc, cache_offsets_past_2GiB, 0, 2);
   tcase_add_loop_test(tc, unfused_insert_equals_fused, 0, 6);
