@@ -288,9 +288,10 @@ END_TEST
  * positions 0, 700, 1000, 2355 with an all-ones input. */
 START_TEST(neox_pairing_every_variant) {
   m3_qkr_args a = variant_args(_i % 9, 1);
-  /* the default tile (lph=32: partner 2 lanes away), then lph=8 with the
-   * partner in the same lane (pair) or all 8 lanes rotating (bal) */
-  static const char *const tiles[] = {NULL, "warps=4,hpw=1,lph=8,rope=pair", "warps=4,hpw=1,lph=8,rope=bal"};
+  /* lph=32 (partner 2 lanes away), then lph=8 with the partner in the same
+   * lane (pair) or all 8 lanes rotating (bal: the default tile) */
+  static const char *const tiles[] = {"warps=4,hpw=1,lph=32,rope=pair", "warps=4,hpw=1,lph=8,rope=pair",
+                                      "warps=4,hpw=1,lph=8,rope=bal"};
   const char *tile = tiles[_i / 9];
   size_t row = row_of(&a);
   m3_bf16 *in = calloc(row, sizeof *in), *got = calloc(row, sizeof *got);
