@@ -1,7 +1,7 @@
 #!/bin/sh
 # device-run.sh - everything one H200 session should measure, in one call:
 #   ./bench/pack-device.sh here, then on the device (carry [".dev"]):
-#   cd .dev && sh device-run.sh [tests] [sanitize] [ablate] [gablate] [tune] [tune2] [bench] [bench-insert] [run] [ncu] [torch] [run1m] [tpot] [ab] [tp] [all]
+#   cd .dev && sh device-run.sh [tests] [sanitize] [ablate] [gablate] [aablate] [tune] [tune2] [bench] [bench-insert] [run] [ncu] [torch] [run1m] [tpot] [ab] [tp] [all]
 # Correctness work (tests, sanitizers) runs concurrently: it only needs
 # answers, and a device call is limited to 10 minutes.  Timed work (tune,
 # bench, run, tpot) runs alone, one after the other.  Every log is packed
@@ -95,6 +95,14 @@ if has gablate && [ -f ./gemv_ablate.sh ] && [ -d ./templates ]; then
     --rounds "${GABLATE_ROUNDS:-1}" --out "$OUT/gemv-ablate" --m3kit ./m3kit --templates ./templates > "$L/gablate.log" 2>&1
   log "gablate rc=$? at $(elapsed) s"
   cp "$OUT/gemv-ablate/ablate.tsv" "$L/gemv-ablate.tsv" 2>/dev/null
+fi
+if has aablate && [ -f ./attn_ablate.sh ] && [ -d ./templates ]; then
+  # Where the decode attention's fixed cost goes (attn_ablate.sh: no merge, no
+  # KV tiles; AABLATE_CASES, AABLATE_VARIANTS, AABLATE_ROUNDS).
+  CASES=${AABLATE_CASES:-} VARIANTS=${AABLATE_VARIANTS:-} timeout "${T_AABLATE:-240}" sh ./attn_ablate.sh \
+    --rounds "${AABLATE_ROUNDS:-2}" --out "$OUT/attn-ablate" --m3kit ./m3kit --templates ./templates > "$L/aablate.log" 2>&1
+  log "aablate rc=$? at $(elapsed) s"
+  cp "$OUT/attn-ablate/ablate.tsv" "$L/attn-ablate.tsv" 2>/dev/null
 fi
 if has tune; then
   # Twice, the second from an empty tuning DB over the same cubins: how

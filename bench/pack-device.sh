@@ -19,6 +19,6 @@ done
 echo "pack-device.sh: m3kit and $n GPU test programs"
 cp bench/device-run.sh .dev/
 cp cache/seed/sm_90.json .dev/seed-sm_90.json   # the seed tuning DB (device-run.sh points M3KIT_SEED_DB at it)
-for f in bench/baseline_torch.py bench/tpot_curve.sh bench/tp_tpot.sh bench/indexer_ablate.sh bench/gemv_ablate.sh bench/ablate_common.sh bench/template_ab.sh; do [ -f "$f" ] && cp "$f" .dev/; done
+for f in bench/baseline_torch.py bench/tpot_curve.sh bench/tp_tpot.sh bench/indexer_ablate.sh bench/gemv_ablate.sh bench/attn_ablate.sh bench/ablate_common.sh bench/template_ab.sh; do [ -f "$f" ] && cp "$f" .dev/; done
 rm -rf .dev/templates && cp -r templates .dev/templates   # indexer_ablate.sh, gemv_ablate.sh render edited copies of them
 du -sh .dev
