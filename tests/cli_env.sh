@@ -5,7 +5,8 @@
 # config.json is refused by name without blocking (cache/store.c); run and
 # tp-plan refuse --resident-experts below top-k before the no-GPU branch;
 # --prompt-ids are bare digits with no trailing comma; a --tp the model cannot
-# be cut into is an option error (exit 2).
+# be cut into is an option error (exit 2); make-checkpoint refuses an --out
+# that holds a config.json.
 set -eu
 m3kit=${M3KIT_BIN:-./m3kit} # make check exports M3KIT_BIN (Makefile.am)
 fail() { echo "cli_env.sh: $*" >&2; exit 1; }
@@ -35,6 +36,16 @@ for ids in "1," " 7" "+7"; do
   "$m3kit" run --prompt-ids "$ids" > /dev/null 2>&1 || rc=$?
   [ "$rc" = 2 ] || fail "run --prompt-ids '$ids': exit $rc, want 2"
 done
+# make-checkpoint never replaces a config.json in --out (helper-19's data loss): the
+# user's file, even the --config given, is refused by name and left as it was.
+mkdir "$dir/ck"
+printf '{"model_type": "minimax_m3", "my_note": 1}\n' > "$dir/ck/config.json"
+cp "$dir/ck/config.json" "$dir/ck.orig"
+rc=0
+out=$("$m3kit" make-checkpoint --config "$dir/ck/config.json" --out "$dir/ck" 2>&1) || rc=$?
+[ "$rc" = 2 ] || fail "make-checkpoint into a folder holding config.json: exit $rc, want 2"
+printf '%s\n' "$out" | grep -q "ck already holds a model config (config.json)" || fail "make-checkpoint over config.json: $out"
+cmp -s "$dir/ck/config.json" "$dir/ck.orig" || fail "make-checkpoint changed the config.json it refused"
 rc=0
 "$m3kit" run --tp 4 > /dev/null 2>&1 || rc=$? # the embedded tiny model splits over 2 ranks at most
 [ "$rc" = 2 ] || fail "run --tp 4 on the tiny model: exit $rc, want 2 (an option error)"

@@ -73,18 +73,22 @@ int cmd_make_checkpoint(int argc, char **argv) {
     return 2;
   }
   /* Shards of an earlier checkpoint left beside a new index would be read as
-   * stray files (or, worse, as this one): refuse a directory that has any. */
+   * stray files (or, worse, as this one): refuse a directory that has any.
+   * A config.json there is refused too: it would be replaced, and it may be
+   * the user's only copy (even the --config given). */
   DIR *d = opendir(out);
   if (d) {
     struct dirent *de;
     const char *old = NULL;
     while ((de = readdir(d)) && !old) {
       size_t n = strlen(de->d_name);
-      if ((n > 12 && !strcmp(de->d_name + n - 12, ".safetensors")) || !strcmp(de->d_name, "model.safetensors.index.json"))
+      if ((n > 12 && !strcmp(de->d_name + n - 12, ".safetensors")) || !strcmp(de->d_name, "model.safetensors.index.json") ||
+          !strcmp(de->d_name, "config.json"))
         old = de->d_name;
     }
     if (old) {
-      fprintf(stderr, "m3kit make-checkpoint: %s already holds a checkpoint (%s): choose a new --out\n", out, old);
+      fprintf(stderr, "m3kit make-checkpoint: %s already holds %s (%s), which this would replace: choose a new --out\n",
+              out, strcmp(old, "config.json") ? "a checkpoint" : "a model config", old);
       closedir(d);
       return 2;
     }
