@@ -58,24 +58,35 @@ const char *m3_tuning_seed_path(const char *arch, char *buf, size_t n) {
   return NULL;
 }
 
-struct m3_tunedb *m3_tuning_open(const char *cache_root, const m3_device *dev, m3_lua *lua) {
+/* driver NULL: records of any driver (what a GPU of `arch` would read, its
+ * driver unknown here). */
+static struct m3_tunedb *open_db(const char *cache_root, const char *arch, const char *drv, m3_lua *lua) {
   m3_tunedb *db = m3_tunedb_new();
   if (!db) return NULL;
-  char user[4200], seed[4200], drv[32];
-  snprintf(user, sizeof user, "%s/tuning/%s.json", cache_root, dev->arch);
-  snprintf(drv, sizeof drv, "%d", dev->driver_version);
+  char user[4200], seed[4200];
+  snprintf(user, sizeof user, "%s/tuning/%s.json", cache_root, arch);
   m3_tuning_hash_ctx hc = {.lua = lua};
   m3_tunedb_filter f;
-  m3_tuning_filter_init(&f, &hc, dev->arch, drv);
+  m3_tuning_filter_init(&f, &hc, arch, drv);
   m3_tunedb_report rep;
   m3_err e;
   memset(&rep, 0, sizeof rep);
-  m3_status s = m3_tunedb_load(db, user, m3_tuning_seed_path(dev->arch, seed, sizeof seed), &f, &rep, &e);
+  m3_status s = m3_tunedb_load(db, user, m3_tuning_seed_path(arch, seed, sizeof seed), &f, &rep, &e);
   if (s != M3_OK) m3_warn_once("tuning DB not used (%s); kernels run with their default tiles", e.msg);
   else if (rep.summary[0] && (rep.stale_arch || rep.stale_driver || rep.stale_template || rep.invalid))
     m3_warn_once("%s", rep.summary);
   else if (rep.summary[0]) m3_info("%s", rep.summary);
   return db;
+}
+
+struct m3_tunedb *m3_tuning_open(const char *cache_root, const m3_device *dev, m3_lua *lua) {
+  char drv[32];
+  snprintf(drv, sizeof drv, "%d", dev->driver_version);
+  return open_db(cache_root, dev->arch, drv, lua);
+}
+
+struct m3_tunedb *m3_tuning_open_arch(const char *cache_root, const char *arch, m3_lua *lua) {
+  return open_db(cache_root, arch, NULL, lua);
 }
 
 void m3_tuning_close(struct m3_tunedb *db) {

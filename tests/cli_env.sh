@@ -6,7 +6,7 @@
 # tp-plan refuse --resident-experts below top-k before the no-GPU branch;
 # --prompt-ids are bare digits with no trailing comma; a --tp the model cannot
 # be cut into is an option error (exit 2); make-checkpoint refuses an --out
-# that holds a config.json.
+# that holds a config.json; run with no GPU builds the tuning DB's tiles too.
 set -eu
 m3kit=${M3KIT_BIN:-./m3kit} # make check exports M3KIT_BIN (Makefile.am)
 fail() { echo "cli_env.sh: $*" >&2; exit 1; }
@@ -46,6 +46,16 @@ out=$("$m3kit" make-checkpoint --config "$dir/ck/config.json" --out "$dir/ck" 2>
 [ "$rc" = 2 ] || fail "make-checkpoint into a folder holding config.json: exit $rc, want 2"
 printf '%s\n' "$out" | grep -q "ck already holds a model config (config.json)" || fail "make-checkpoint over config.json: $out"
 cmp -s "$dir/ck/config.json" "$dir/ck.orig" || fail "make-checkpoint changed the config.json it refused"
+# run with no GPU compiles the tiles a GPU of --arch would take from the tuning DB
+# (user + seed), not only the defaults, so that a later GPU run finds them cached:
+# a seed record for the tiny model's embed at threads=512 (default 256).
+th=$("$m3kit" gen --templates | sed -n 's/^embed  (template hash \([0-9a-f]*\)).*/\1/p')
+[ -n "$th" ] || fail "no template hash for embed in gen --templates"
+printf '{"format": "m3kit-tunedb", "version": 1, "records": [{"key": "embed(hidden=256)", "bucket": "tokens=1", "arch": "sm_90", "tile": "threads=512", "provenance": {"template_hash": "%s"}}]}\n' \
+  "$th" > "$dir/seed.json"
+out=$(M3KIT_SEED_DB="$dir/seed.json" M3KIT_CACHE_DIR="$dir/cr" M3KIT_VERBOSE=1 "$m3kit" run 2>&1) || fail "run (no GPU): $out"
+printf '%s\n' "$out" | grep -q "built  embed(hidden=256)\[threads=512\]@sm_90" || fail "run (no GPU) did not build the seed's tile: $out"
+printf '%s\n' "$out" | grep -q "and 1 tuned tiles from the tuning DB" || fail "run (no GPU): tuned tile count: $out"
 rc=0
 "$m3kit" run --tp 4 > /dev/null 2>&1 || rc=$? # the embedded tiny model splits over 2 ranks at most
 [ "$rc" = 2 ] || fail "run --tp 4 on the tiny model: exit $rc, want 2 (an option error)"

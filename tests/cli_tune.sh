@@ -27,4 +27,10 @@ rc=0
 out=$(M3KIT_CACHE_DIR="$dir/c" "$m3kit" tune --plot "$dir/plots" --arch sm_90 2>&1) || fail "--plot: $out"
 printf '%s\n' "$out" | grep -q "plotting the seed DB" || fail "--plot on an untuned machine did not plot the seed: $out"
 [ -f "$dir/plots/all.gp" ] || fail "--plot wrote no all.gp"
+printf '%s\n' "$out" | grep -q "not there yet" || fail "--plot with no tuning DB did not say it is not there: $out"
+rc=0
+out=$(M3KIT_CACHE_DIR="$dir/none" "$m3kit" tune --rehash --arch sm_90 2>&1) || rc=$?
+[ "$rc" = 1 ] || fail "--rehash with no tuning DB: exit $rc, want 1"
+printf '%s\n' "$out" | grep -q "no tuning DB at $dir/none/tuning/sm_90.json, nothing to rehash" || fail "--rehash, no DB: $out"
+[ ! -e "$dir/none" ] || fail "--rehash with no tuning DB created $dir/none"
 echo "cli_tune.sh: --show counts, --only refusal and the seed's plots as expected"

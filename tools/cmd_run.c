@@ -17,6 +17,7 @@
 #include <cuda_runtime_api.h>
 
 #include "cache/store.h"
+#include "cache/tunedb.h"
 #include "runtime/config.h"
 #include "runtime/forward.h"
 #include "runtime/harness.h"
@@ -27,6 +28,7 @@
 #include "runtime/model_dims.h"
 #include "runtime/tp_forward.h"
 #include "runtime/tp_plan.h"
+#include "runtime/tuning_lookup.h"
 #include "tools/cli.h"
 
 static void help(void) {
@@ -86,7 +88,8 @@ static void help(void) {
       "captures the CUDA graph and is printed apart), decode tokens/s,\n"
       "peak GPU memory in use, and the start-up: GPU open and the kernels (from the cubin cache or compiled, time\n"
       "to build and to load; with --tp, each rank's weight bytes and collectives instead).  Without a GPU no kernel runs: every kernel variant the model needs is\n"
-      "rendered and compiled instead and the count and time are reported (exit status 0).\n"
+      "rendered and compiled instead, at its default tile and at every tile the tuning DB (yours + the seed) holds\n"
+      "for --arch, so that a GPU run of that arch starts warm; the count and time are reported (exit status 0).\n"
       "Environment: M3KIT_CHECK_NUMERICS=1 scans every op's output for NaN/Inf (names layer and op).\n");
 }
 
@@ -176,7 +179,54 @@ static int parse_ids(const char *s, int32_t **ids, int *n) {
   return *ids && *n > 0 ? 0 : -1;
 }
 
-/* No GPU: render + compile every variant the model needs for `arch`. */
+/* One kernel: build (or find in the cubin cache) v, counting it. */
+static m3_status build_one(m3_jit *j, m3_variant *v, int *built, int *hits, m3_err *e) {
+  m3_cubin cb;
+  M3_TRY(m3_jit_build(j, v, &cb, e));
+  (*built)++;
+  *hits += cb.hit;
+  if (m3_log_verbose()) {
+    char k[M3_KEY_MAX];
+    m3_variant_print(v, k, sizeof k);
+    printf("  %s %s\n", cb.hit ? "cached" : "built ", k);
+  }
+  m3_cubin_free(&cb);
+  return M3_OK;
+}
+
+/* The tuned tiles of variant v (axes and arch set) that the tuning DB (user
+ * records + seed) holds and the template still accepts: on a GPU of this
+ * arch the runtime takes its tile from these, so they are compiled too. */
+static m3_status build_tuned(m3_jit *j, struct m3_tunedb *db, const m3_variant *v, int *built, int *hits, int *tuned,
+                             m3_err *e) {
+  char axes[M3_KEY_MAX], def[M3_KEY_MAX];
+  m3_variant_print_axes(v, axes, sizeof axes);
+  m3_variant_print(v, def, sizeof def);   /* v has its default tile */
+  const size_t n = db ? m3_tunedb_count(db) : 0;
+  for (size_t i = 0; i < n; i++) {
+    const m3_tune_record *r = m3_tunedb_get(db, i);
+    if (strcmp(r->key, axes) || strcmp(r->arch, v->arch)) continue;
+    int seen = 0;   /* one record a bucket: a tile tuned at several shapes is built once */
+    for (size_t k = 0; k < i && !seen; k++) {
+      const m3_tune_record *q = m3_tunedb_get(db, k);
+      seen = !strcmp(q->key, axes) && !strcmp(q->arch, v->arch) && !strcmp(q->tile, r->tile);
+    }
+    char why[256] = "";
+    if (seen || !m3_tuning_tile_ok(j->lua, v, r->tile, why, sizeof why)) continue;
+    m3_variant t = *v;
+    char k[M3_KEY_MAX];
+    M3_TRY(m3_variant_parse_tile(&t, r->tile, e));
+    M3_TRY(m3_render_canon(j->lua, &t, e));
+    m3_variant_print(&t, k, sizeof k);
+    if (!strcmp(k, def)) continue;   /* the default tile, built already */
+    M3_TRY(build_one(j, &t, built, hits, e));
+    (*tuned)++;
+  }
+  return M3_OK;
+}
+
+/* No GPU: render + compile every variant the model needs for `arch`, at its
+ * default tile and at every tile the tuning DB holds for it. */
 static int compile_only(const char *preset, const char *model, const char *arch) {
   if (!m3_arch_valid(arch)) {
     fprintf(stderr, "m3kit run: bad SM arch '%s' in --arch (want sm_XX or sm_XXa, e.g. sm_90)\n", arch);
@@ -193,32 +243,28 @@ static int compile_only(const char *preset, const char *model, const char *arch)
   m3_jit j;
   if ((s = m3_jit_open(&j, &e)) != M3_OK) return cli_fail("run", s, &e);
   double t0 = now_s();
-  int built = 0, hits = 0, rc = 0;
+  int built = 0, hits = 0, tuned = 0, rc = 0;
+  struct m3_tunedb *db = m3_tuning_open_arch(j.cache_root, arch, j.lua);
   for (const char *const *t = m3_lua_template_names(); *t && !rc; t++) {
     m3_variant *vs = NULL;
     int n = 0;
     if ((s = m3_render_variants(j.lua, *t, &d, &vs, &n, &e)) != M3_OK) { rc = cli_fail("run", s, &e); break; }
     for (int i = 0; i < n && !rc; i++) {
       snprintf(vs[i].arch, sizeof vs[i].arch, "%s", arch);
-      m3_cubin cb;
-      if ((s = m3_render_default_tile(j.lua, &vs[i], &e)) != M3_OK || (s = m3_jit_build(&j, &vs[i], &cb, &e)) != M3_OK) {
+      if ((s = m3_render_default_tile(j.lua, &vs[i], &e)) != M3_OK ||
+          (s = build_one(&j, &vs[i], &built, &hits, &e)) != M3_OK ||
+          (s = build_tuned(&j, db, &vs[i], &built, &hits, &tuned, &e)) != M3_OK) {
         rc = cli_fail("run", s, &e);
         break;
       }
-      built++;
-      hits += cb.hit;
-      if (m3_log_verbose()) {
-        char k[M3_KEY_MAX];
-        m3_variant_print(&vs[i], k, sizeof k);
-        printf("  %s %s\n", cb.hit ? "cached" : "built ", k);
-      }
-      m3_cubin_free(&cb);
     }
     free(vs);
   }
   if (!rc)
-    printf("%d kernel variants for %s (%s): %d compiled, %d from the cubin cache, %.1f s\n", built, arch,
-           model ? model : preset, built - hits, hits, now_s() - t0);
+    printf("%d kernels for %s (%s: every variant at its default tile, and %d tuned tiles from the tuning DB): "
+           "%d compiled, %d from the cubin cache (%s/cubin), %.1f s\n",
+           built, arch, model ? model : preset, tuned, built - hits, hits, j.cache_root, now_s() - t0);
+  m3_tuning_close(db);
   m3_jit_close(&j);
   return rc;
 }

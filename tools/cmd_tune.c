@@ -33,8 +33,8 @@ static void help(void) {
          "  --shapes SPEC      restrict buckets, e.g. 'tokens=1,64'\n"
          "  --budget SECONDS   stop starting new shapes after this long\n"
          "  --reps N           timed launches per candidate (default 20, minimum 20)\n"
-         "  --db FILE          the DB file to write (tuning) or read (--show, --plot, --rehash) instead of\n"
-         "                     the cache's\n"
+         "  --db FILE          the DB file to write (tuning), read (--show, --plot) or rewrite in place\n"
+         "                     (--rehash) instead of the cache's\n"
          "  --show             print the tuning DB of this GPU's arch (or --arch) and exit\n"
          "  --plot DIR         write PNG plots (gnuplot) of time against tile and exit (untuned: the seed's)\n"
          "  --arch SM          arch for --show/--plot/--rehash without a GPU (default: the GPU's, else sm_90)\n"
@@ -106,6 +106,11 @@ static int db_file(const char *arch, const char *db_path, char *path, size_t n) 
 static int rehash(const char *arch, const char *db_path) {
   char path[4200];
   if (db_file(arch, db_path, path, sizeof path)) return 1;
+  struct stat st;
+  if (stat(path, &st) != 0 && errno == ENOENT) {   /* (--db FILE was checked by db_file) */
+    fprintf(stderr, "m3kit tune --rehash: no tuning DB at %s, nothing to rehash ('m3kit tune' writes it)\n", path);
+    return 1;
+  }
   m3_lua *L;
   m3_err e;
   if (m3_lua_open(&L, &e) != M3_OK) return cli_fail("tune", e.code, &e);
@@ -174,7 +179,7 @@ static int show_or_plot(const char *arch, const char *plot_dir, const char *db_p
   }
   /* A user who never tuned: one line for the empty DB, then the seed's
    * records (what the runtime uses), not an empty table. */
-  const int none = !db_path && !plot_dir && m3_tunedb_count(db) == 0 && !rep.summary[0];
+  const int none = !db_path && m3_tunedb_count(db) == 0 && !rep.summary[0];
   if (none)
     printf("tuning DB %s: %s (m3kit tune writes it)\n", path, access(path, F_OK) ? "not there yet" : "no records");
   else
