@@ -56,6 +56,11 @@ printf '{"format": "m3kit-tunedb", "version": 1, "records": [{"key": "embed(hidd
 out=$(M3KIT_SEED_DB="$dir/seed.json" M3KIT_CACHE_DIR="$dir/cr" M3KIT_VERBOSE=1 "$m3kit" run 2>&1) || fail "run (no GPU): $out"
 printf '%s\n' "$out" | grep -q "built  embed(hidden=256)\[threads=512\]@sm_90" || fail "run (no GPU) did not build the seed's tile: $out"
 printf '%s\n' "$out" | grep -q "and 1 tuned tiles from the tuning DB" || fail "run (no GPU): tuned tile count: $out"
+# --dump-logits: written (a GPU), or exit 3 and no file (none): never exit 0 without it
+rc=0
+M3KIT_CACHE_DIR="$dir/cr" "$m3kit" run --dump-logits "$dir/l.npy" > /dev/null 2>&1 || rc=$?
+if [ "$rc" = 0 ]; then [ -s "$dir/l.npy" ] || fail "run --dump-logits: exit 0 and no file"
+else [ "$rc" = 3 ] && [ ! -e "$dir/l.npy" ] || fail "run --dump-logits with no GPU: exit $rc, want 3 and no file"; fi
 rc=0
 "$m3kit" run --tp 4 > /dev/null 2>&1 || rc=$? # the embedded tiny model splits over 2 ranks at most
 [ "$rc" = 2 ] || fail "run --tp 4 on the tiny model: exit $rc, want 2 (an option error)"

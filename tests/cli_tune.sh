@@ -28,6 +28,13 @@ out=$(M3KIT_CACHE_DIR="$dir/c" "$m3kit" tune --plot "$dir/plots" --arch sm_90 2>
 printf '%s\n' "$out" | grep -q "plotting the seed DB" || fail "--plot on an untuned machine did not plot the seed: $out"
 [ -f "$dir/plots/all.gp" ] || fail "--plot wrote no all.gp"
 printf '%s\n' "$out" | grep -q "not there yet" || fail "--plot with no tuning DB did not say it is not there: $out"
+# what to tune is checked before the GPU is looked for (exit 2 here, not "no GPU")
+for a in "--shapes=tokens=abc" "--shapes=tokens=" "--shapes==1" "--shapes=tokens=1,,2" "--only="; do
+  rc=0
+  out=$("$m3kit" tune "$a" 2>&1) || rc=$?
+  [ "$rc" = 2 ] || fail "tune $a: exit $rc, want 2: $out"
+  printf '%s\n' "$out" | grep -q "is empty\|--shapes '" || fail "tune $a: $out"
+done
 rc=0
 out=$(M3KIT_CACHE_DIR="$dir/none" "$m3kit" tune --rehash --arch sm_90 2>&1) || rc=$?
 [ "$rc" = 1 ] || fail "--rehash with no tuning DB: exit $rc, want 1"

@@ -89,7 +89,8 @@ static void help(void) {
       "peak GPU memory in use, and the start-up: GPU open and the kernels (from the cubin cache or compiled, time\n"
       "to build and to load; with --tp, each rank's weight bytes and collectives instead).  Without a GPU no kernel runs: every kernel variant the model needs is\n"
       "rendered and compiled instead, at its default tile and at every tile the tuning DB (yours + the seed) holds\n"
-      "for --arch, so that a GPU run of that arch starts warm; the count and time are reported (exit status 0).\n"
+      "for --arch, so that a GPU run of that arch starts warm; the count and time are reported (exit status 0;\n"
+      "3 with --dump-logits, whose file cannot be written).  Exit status: 0 done, 1 error, 2 bad option, 3 no GPU.\n"
       "Environment: M3KIT_CHECK_NUMERICS=1 scans every op's output for NaN/Inf (names layer and op).\n");
 }
 
@@ -676,11 +677,14 @@ int cmd_run(int argc, char **argv) {
     return 2;
   }
   if (m3_gpu_count() == 0) {
-    if (dump) printf("m3kit run: no GPU, no logits: --dump-logits %s not written\n", dump);
     free(prompt1);
     if (tp > 1) printf("m3kit run --tp %d: the ranks' kernel variants (their head counts and slices) are built when "
                        "they first run; the whole model's are compiled here.\n", tp);
-    return compile_only(preset, model, arch);
+    const int rc = compile_only(preset, model, arch);
+    if (rc || !dump) return rc;
+    /* The output asked for does not exist: a script must not read on as if it did. */
+    fprintf(stderr, "m3kit run: no GPU, no logits: --dump-logits %s not written (exit status 3)\n", dump);
+    return 3;
   }
   if (tp) {
     if (tp_backend < 0) { /* default: NCCL over distinct GPUs, which needs N of them */

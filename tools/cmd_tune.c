@@ -78,6 +78,28 @@ static int run_gnuplot(const char *dir, int n) {
   return 0;
 }
 
+/* NULL when spec is NAME=N[,N...] groups joined by ';' (the syntax the
+ * tuner's bucket filter reads), else what is wrong with it. */
+static const char *shapes_error(const char *spec) {
+  const char *p = spec;
+  if (!*p) return "empty";
+  for (;;) {
+    const char *n0 = p;
+    while ((*p >= 'a' && *p <= 'z') || *p == '_') p++;
+    if (p == n0 || *p != '=') return "a group is not NAME=N[,N...]";
+    p++;
+    for (;;) {
+      if (*p < '0' || *p > '9') return "a value is not a non-negative integer";
+      while (*p >= '0' && *p <= '9') p++;
+      if (*p != ',') break;
+      p++;
+    }
+    if (!*p) return NULL;
+    if (*p != ';') return "unexpected text after a value";
+    p++;
+  }
+}
+
 /* The DB file --show, --plot and --rehash work on: --db FILE (which must be
  * readable), else the cache's for arch.  Nonzero (reported) on failure. */
 static int db_file(const char *arch, const char *db_path, char *path, size_t n) {
@@ -290,6 +312,16 @@ int cmd_tune(int argc, char **argv) {
   }
   if (optind < argc) {
     fprintf(stderr, "m3kit tune: unexpected argument '%s' (m3kit tune --help)\n", argv[optind]);
+    return 2;
+  }
+  if (o.only && !*o.only) {
+    fprintf(stderr, "m3kit tune: --only is empty (give kernel families, e.g. --only qknorm_rope,attn_dense)\n");
+    return 2;
+  }
+  const char *bad = o.shapes ? shapes_error(o.shapes) : NULL;
+  if (bad) {
+    fprintf(stderr, "m3kit tune: --shapes '%s': %s (want NAME=N[,N...][;NAME=N...], e.g. 'tokens=1,64')\n", o.shapes,
+            bad);
     return 2;
   }
   for (const char *p = o.only; p && *p;) {
