@@ -157,6 +157,8 @@ m3_status m3_jit_build_rendered(m3_jit *j, const m3_variant *v, const m3_source 
     s = m3_errf(e, M3_NOJIT, "M3KIT_NO_JIT is set and no cached cubin for %s (cache entry %s)", src.key, path);
     goto done;
   }
+  /* An arch NVRTC cannot build for fails here, before its cache folder exists. */
+  if ((s = m3_nvrtc_arch_check(v->arch, e)) != M3_OK) goto done;
   int lockfd = -1;
   if (m3_mkdirs(dir, &le) != M3_OK || m3_lock(path, &lockfd, &le) != M3_OK) {
     m3_warn_once("cubin cache at %s is not usable (%s); continuing uncached", j->cache_root, le.msg);

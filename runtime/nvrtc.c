@@ -31,6 +31,28 @@ static int arch_ok(const char *a) {
   return *p == 0 && p > a + 4;
 }
 
+m3_status m3_nvrtc_arch_check(const char *arch, m3_err *e) {
+  if (!arch_ok(arch)) return m3_errf(e, M3_INVAL, "bad SM arch '%s' (want sm_XX or sm_XXa)", arch);
+  int n = 0;
+  nvrtcResult r = nvrtcGetNumSupportedArchs(&n);
+  if (r != NVRTC_SUCCESS) return m3_errf(e, M3_NVRTC, "nvrtcGetNumSupportedArchs: %s", nvrtcGetErrorString(r));
+  int *v = calloc(n > 0 ? (size_t)n : 1, sizeof *v);
+  if (!v) return m3_errf(e, M3_NOMEM, "NVRTC's supported archs");
+  if ((r = nvrtcGetSupportedArchs(v)) != NVRTC_SUCCESS) {
+    free(v);
+    return m3_errf(e, M3_NVRTC, "nvrtcGetSupportedArchs: %s", nvrtcGetErrorString(r));
+  }
+  const int want = atoi(arch + 3);
+  int found = 0;
+  for (int i = 0; i < n; i++) found |= v[i] == want;
+  const int lo = n > 0 ? v[0] : 0, hi = n > 0 ? v[n - 1] : 0;
+  free(v);
+  if (found) return M3_OK;
+  const int ver = m3_nvrtc_version();
+  return m3_errf(e, M3_INVAL, "SM arch %s: NVRTC %d.%d does not compile for it (it knows sm_%d ... sm_%d)", arch,
+                 ver / 1000, ver % 1000 / 10, lo, hi);
+}
+
 m3_status m3_nvrtc_compile(const char *src, const char *name, const char *arch, const char *extra,
                            uint8_t **cubin, size_t *size, char **log, m3_err *e) {
   *cubin = NULL;

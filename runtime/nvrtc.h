@@ -19,6 +19,11 @@ int m3_nvrtc_version(void);
  * "--gpu-architecture=sm_90 -std=c++17 -default-device --fmad=true -lineinfo". */
 void m3_nvrtc_options(const char *arch, char *buf, size_t n);
 
+/* M3_OK when `arch` (sm_XX, sm_XXa, sm_XXf) is well formed and one of the
+ * archs this NVRTC compiles for (nvrtcGetSupportedArchs); else M3_INVAL naming
+ * the arch and the range it knows (M3_NVRTC if NVRTC cannot say). */
+m3_status m3_nvrtc_arch_check(const char *arch, m3_err *e);
+
 /* Compile `src` (named `name` in diagnostics) to a cubin for `arch`.
  * `extra` (may be NULL) is appended verbatim after the canonical options (used
  * by `m3kit gen --inspect` for --ptxas-options=-v; never for cached builds).

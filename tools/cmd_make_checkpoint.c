@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 #include <time.h>
 
+#include "runtime/ckpt_names.h"
 #include "runtime/ckpt_write.h"
 #include "runtime/config.h"
 #include "tools/cli.h"
@@ -98,6 +99,15 @@ int cmd_make_checkpoint(int argc, char **argv) {
   m3_config cfg;
   m3_status s = config ? m3_config_load_file(config, &cfg, &e) : m3_config_preset(preset, &cfg, &e);
   if (s != M3_OK) return cli_fail("make-checkpoint", s, &e);
+  m3_tensor_spec *specs;   /* a shard holds at least one weight: check --shards before "writing" */
+  size_t nspec;
+  if ((s = m3_ckpt_expected(&cfg, &specs, &nspec, &e)) != M3_OK) return cli_fail("make-checkpoint", s, &e);
+  free(specs);
+  if ((size_t)shards > nspec) {
+    fprintf(stderr, "m3kit make-checkpoint: --shards %d: this model has %zu weights, so at most %zu shards\n", shards,
+            nspec, nspec);
+    return 2;
+  }
   uint64_t total = 0;
   m3_config_n_params(&cfg, &total, NULL);
   double gb = (double)total * (mxfp8 ? 1.0 + 1.0 / 32 : 2.0) / 1e9;
