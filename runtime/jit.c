@@ -67,25 +67,32 @@ static void excerpt(const char *log, const char *src, char *out, size_t n) {
   }
 }
 
-static void dump(const char *sym, const char *src, const char *opts, const char *log) {
+/* $M3KIT_DUMP_DIR/<entry>.<arch>.cu and .log (the entry symbol is the same
+ * for every arch: the arch keeps one arch's dump from replacing another's).
+ * A debugging aid: a failure is warned about once and never fails the build. */
+static void dump(const char *sym, const char *arch, const char *src, const char *opts, const char *log) {
   const char *dir = getenv("M3KIT_DUMP_DIR");
   if (!dir || !*dir) return;
   m3_err e;
-  if (m3_mkdirs(dir, &e) != M3_OK) return;
+  if (m3_mkdirs(dir, &e) != M3_OK) {
+    m3_warn_once("M3KIT_DUMP_DIR: %s; nothing dumped", e.msg);
+    return;
+  }
   char p[4200];
-  snprintf(p, sizeof p, "%s/%s.cu", dir, sym);
-  m3_write_atomic(p, src, strlen(src), &e);
-  snprintf(p, sizeof p, "%s/%s.log", dir, sym);
+  snprintf(p, sizeof p, "%s/%s.%s.cu", dir, sym, arch);
+  m3_status s = m3_write_atomic(p, src, strlen(src), &e);
+  snprintf(p, sizeof p, "%s/%s.%s.log", dir, sym, arch);
   char head[600];
   snprintf(head, sizeof head, "options: %s\n", opts);
   size_t ll = log ? strlen(log) : 0;
   char *all = malloc(strlen(head) + ll + 1);
-  if (all) {
+  if (all && s == M3_OK) {
     strcpy(all, head);
     if (log) strcat(all, log);
-    m3_write_atomic(p, all, strlen(all), &e);
-    free(all);
+    s = m3_write_atomic(p, all, strlen(all), &e);
   }
+  free(all);
+  if (s != M3_OK) m3_warn_once("M3KIT_DUMP_DIR: %s; dumps are incomplete", e.msg);
 }
 
 static m3_status compile(m3_jit *j, const m3_source *src, const char *arch, const char *opts,
@@ -99,7 +106,7 @@ static m3_status compile(m3_jit *j, const m3_source *src, const char *arch, cons
   pthread_mutex_lock(&ms_mu);
   j->compile_ms += dt;
   pthread_mutex_unlock(&ms_mu);
-  dump(src->entry, src->text, opts, log);
+  dump(src->entry, arch, src->text, opts, log);
   if (s == M3_NVRTC && log) {
     char ex[4096];
     excerpt(log, src->text, ex, sizeof ex);

@@ -56,6 +56,12 @@ printf '{"format": "m3kit-tunedb", "version": 1, "records": [{"key": "embed(hidd
 out=$(M3KIT_SEED_DB="$dir/seed.json" M3KIT_CACHE_DIR="$dir/cr" M3KIT_VERBOSE=1 "$m3kit" run 2>&1) || fail "run (no GPU): $out"
 printf '%s\n' "$out" | grep -q "built  embed(hidden=256)\[threads=512\]@sm_90" || fail "run (no GPU) did not build the seed's tile: $out"
 printf '%s\n' "$out" | grep -q "and 1 tuned tiles from the tuning DB" || fail "run (no GPU): tuned tile count: $out"
+# M3KIT_DUMP_DIR keeps one file pair an arch (the entry symbol is the same for all)
+for a in sm_90 sm_80; do
+  M3KIT_CACHE_DIR="$dir/cd" M3KIT_DUMP_DIR="$dir/dump" "$m3kit" gen --compile "$key" --arch $a > /dev/null 2>&1 ||
+    fail "gen --compile with M3KIT_DUMP_DIR at $a"
+done
+[ "$(ls "$dir/dump" | grep -c '\.sm_[89]0\.cu$')" = 2 ] || fail "M3KIT_DUMP_DIR: want one .cu per arch: $(ls "$dir/dump")"
 # --dump-logits: written (a GPU), or exit 3 and no file (none): never exit 0 without it
 rc=0
 M3KIT_CACHE_DIR="$dir/cr" "$m3kit" run --dump-logits "$dir/l.npy" > /dev/null 2>&1 || rc=$?

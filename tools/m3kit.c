@@ -44,7 +44,7 @@ static void usage(FILE *f) {
           "  M3KIT_CACHE_DIR      cubin cache + tuning DB root (default $XDG_CACHE_HOME/m3kit or ~/.cache/m3kit)\n"
           "  M3KIT_NO_JIT=1       a cubin-cache miss is an error naming the key\n"
           "  M3KIT_TEMPLATE_DIR   read templates from this directory instead of the embedded copies\n"
-          "  M3KIT_DUMP_DIR       write every compiled source, its options and NVRTC log here\n"
+          "  M3KIT_DUMP_DIR       write every source compiled (a cache miss), its options and NVRTC log here\n"
           "  M3KIT_VERBOSE=1      progress and cache messages\n"
           "  M3KIT_SEED_DB        seed tuning DB read under the user's (default: the installed cache/seed/<arch>.json)\n"
           "  M3KIT_PDL=0          launch without programmatic dependent launch (on by default on sm_90+)\n"
