@@ -45,4 +45,10 @@ out=$(M3KIT_CACHE_DIR="$tpl/c999" "$m3kit" gen --compile 'embed(hidden=256)' --a
 [ "$rc" = 1 ] || fail "--compile --arch sm_999: exit $rc, want 1: $out"
 printf '%s\n' "$out" | grep -q 'SM arch sm_999: NVRTC .* does not compile for it' || fail "--arch sm_999: $out"
 [ ! -e "$tpl/c999/cubin/sm_999" ] || fail "--arch sm_999 left a cubin folder for it"
+# --tiles of a key that names a tile, and an --arch list with a repeat: option errors
+for a in "--tiles embed(hidden=256)[threads=512]" "--all --arch sm_90,sm_80,sm_90"; do
+  rc=0
+  "$m3kit" gen $a > /dev/null 2>&1 || rc=$?
+  [ "$rc" = 2 ] || fail "gen $a: exit $rc, want 2"
+done
 echo "cli_gen.sh: $n valid decode tiles listed alike"

@@ -28,6 +28,9 @@ out=$(M3KIT_CACHE_DIR="$dir/c" "$m3kit" tune --plot "$dir/plots" --arch sm_90 2>
 printf '%s\n' "$out" | grep -q "plotting the seed DB" || fail "--plot on an untuned machine did not plot the seed: $out"
 [ -f "$dir/plots/all.gp" ] || fail "--plot wrote no all.gp"
 printf '%s\n' "$out" | grep -q "not there yet" || fail "--plot with no tuning DB did not say it is not there: $out"
+rc=0
+"$m3kit" tune --show --model "$dir/nonexistent" > /dev/null 2>&1 || rc=$?
+[ "$rc" = 2 ] || fail "--show --model: exit $rc, want 2 (--model selects what to tune)"
 # what to tune is checked before the GPU is looked for (exit 2 here, not "no GPU")
 for a in "--shapes=tokens=abc" "--shapes=tokens=" "--shapes==1" "--shapes=tokens=1,,2" "--only="; do
   rc=0

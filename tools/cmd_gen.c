@@ -140,6 +140,11 @@ int cmd_gen(int argc, char **argv) {
       fprintf(stderr, "m3kit gen: bad SM arch '%.*s' in --arch (want sm_XX or sm_XXa, e.g. sm_90a)\n", (int)l, ap);
       return 2;
     }
+    for (const char *q = archs; q < ap; q += strcspn(q, ",") + 1)   /* a repeat would build every kernel twice */
+      if (strcspn(q, ",") == l && !strncmp(q, ap, l)) {
+        fprintf(stderr, "m3kit gen: --arch names %s twice\n", a);
+        return 2;
+      }
     if (!ap[l]) break;
     ap += l + 1;
   }
@@ -207,7 +212,11 @@ int cmd_gen(int argc, char **argv) {
   } else if (action == 't') {
     m3_variant v, *tiles = NULL;
     int n = 0;
-    if ((rc = prepare(&j, key, arch, arch_given, &v, &e, 0)) == 0) {
+    if ((rc = prepare(&j, key, arch, arch_given, &v, &e, 0)) == 0 && v.n_tile) {
+      fprintf(stderr, "m3kit gen: --tiles lists every tile of a key: give KEY without [tile] (--compile KEY[tile] "
+                      "checks one)\n");
+      rc = 2;
+    } else if (rc == 0) {
       if ((s = m3_render_tiles(j.lua, &v, &tiles, &n, &e)) != M3_OK) rc = cli_fail("gen", s, &e);
       m3_variant dv = v; /* the template's default, marked in the list */
       char deft[512] = "";

@@ -268,7 +268,7 @@ int cmd_tune(int argc, char **argv) {
                                        {"rehash", no_argument, 0, 'R'},       {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   m3_tune_opts o = {.preset = "minimax-m3", .progress = stderr};
-  int show = 0, do_rehash = 0, c;
+  int show = 0, do_rehash = 0, model_given = 0, c;
   const char *plot = NULL, *arch = NULL;
   char cmdline[1024] = "m3kit";
   for (int i = 0; i < argc; i++) {
@@ -279,8 +279,8 @@ int cmd_tune(int argc, char **argv) {
   optind = 1;
   while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
     switch (c) {
-      case 'p': o.preset = optarg; break;
-      case 'm': o.model_dir = optarg; break;
+      case 'p': o.preset = optarg, model_given = 1; break;
+      case 'm': o.model_dir = optarg, model_given = 1; break;
       case 'o': o.only = optarg; break;
       case 's': o.shapes = optarg; break;
       case 'b': {
@@ -339,9 +339,9 @@ int cmd_tune(int argc, char **argv) {
     fprintf(stderr, "m3kit tune: give one of --show, --plot, --rehash\n");
     return 2;
   }
-  if ((show || plot || do_rehash) && (o.only || o.shapes)) {
-    fprintf(stderr, "m3kit tune: --only and --shapes select what to tune; --show, --plot and --rehash work on the "
-                    "whole DB\n");
+  if ((show || plot || do_rehash) && (o.only || o.shapes || model_given)) {
+    fprintf(stderr, "m3kit tune: --only, --shapes, --preset and --model select what to tune; --show, --plot and "
+                    "--rehash work on the whole DB\n");
     return 2;
   }
   if (show || plot || do_rehash) {
