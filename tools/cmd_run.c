@@ -265,6 +265,9 @@ static int compile_only(const char *preset, const char *model, const char *arch)
     printf("%d kernels for %s (%s: every variant at its default tile, and %d tuned tiles from the tuning DB): "
            "%d compiled, %d from the cubin cache (%s/cubin), %.1f s\n",
            built, arch, model ? model : preset, tuned, built - hits, hits, j.cache_root, now_s() - t0);
+  if (!rc && j.uncached)   /* the warning came once, at the first: the count is the whole story */
+    printf("%ld of them not kept: the cubin cache at %s is not usable, so a GPU run compiles them again\n",
+           (long)j.uncached, j.cache_root);
   m3_tuning_close(db);
   m3_jit_close(&j);
   return rc;
