@@ -10,7 +10,7 @@
  * never read a partial file.  When the cache directory cannot be created or
  * written (read-only, full disk) the build is reported once and continues
  * uncached.  M3KIT_DUMP_DIR=dir writes each compiled source, its options and
- * its NVRTC log there.
+ * its NVRTC log there, as <entry>.<arch>.cu and .log.
  */
 #ifndef M3_JIT_H
 #define M3_JIT_H

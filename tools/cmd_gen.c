@@ -54,8 +54,18 @@ static void inspect(const m3_source *src, const char *arch) {
   if (m3_nvrtc_compile(src->text, src->entry, arch, "--ptxas-options=-v", &cubin, &size, &log, &e) == M3_OK) {
     free(cubin);
     if (log) {
-      for (char *l = strtok(log, "\n"); l; l = strtok(NULL, "\n"))
-        if (strstr(l, "registers") || strstr(l, "spill") || strstr(l, "stack")) printf("    ptxas: %s\n", l);
+      for (char *l = strtok(log, "\n"); l; l = strtok(NULL, "\n")) {
+        if (!strstr(l, "registers") && !strstr(l, "spill") && !strstr(l, "stack")) continue;
+        /* NVRTC's lines start "ptxas info    : " or "ptxas         .     ": one prefix is enough */
+        const char *m = l;
+        if (!strncmp(m, "ptxas", 5)) {
+          m += 5;
+          m += strspn(m, " abcdefghijklmnopqrstuvwxyz");
+          if (*m == ':' || *m == '.') m += 1 + strspn(m + 1, " ");
+          else m = l;
+        }
+        printf("    ptxas: %s\n", m);
+      }
     }
   }
   free(log);
