@@ -62,6 +62,11 @@ for a in sm_90 sm_80; do
     fail "gen --compile with M3KIT_DUMP_DIR at $a"
 done
 [ "$(ls "$dir/dump" | grep -c '\.sm_[89]0\.cu$')" = 2 ] || fail "M3KIT_DUMP_DIR: want one .cu per arch: $(ls "$dir/dump")"
+for c in run gen tp-plan tune; do
+  rc=0
+  out=$("$m3kit" $c --model '' 2>&1) || rc=$?
+  [ "$rc" = 2 ] && printf '%s\n' "$out" | grep -q -- "--model: an empty path" || fail "$c --model '': exit $rc: $out"
+done
 # --dump-logits: written (a GPU), or exit 3 and no file (none): never exit 0 without it
 rc=0
 M3KIT_CACHE_DIR="$dir/cr" "$m3kit" run --dump-logits "$dir/l.npy" > /dev/null 2>&1 || rc=$?

@@ -20,6 +20,10 @@ int cli_int(const char *cmd, const char *opt, const char *text, int64_t lo, int6
 int cli_u64(const char *cmd, const char *opt, const char *text, uint64_t *out);
 int cli_float(const char *cmd, const char *opt, const char *text, double lo, double hi, double *out);
 
+/* A path option: -1 (after "m3kit CMD: --OPT: an empty path" on stderr) when
+ * text is empty, which would otherwise be read as the root directory. */
+int cli_path(const char *cmd, const char *opt, const char *text);
+
 /* Print "m3kit: error: <M3_NAME>: <message>" and return the exit code for s. */
 int cli_fail(const char *cmd, m3_status s, const m3_err *e);
 

@@ -113,7 +113,10 @@ int cmd_gen(int argc, char **argv) {
       case 'C': cubin_out = optarg; break;
       case 'A': archs = optarg, arch_given = 1; break;
       case 'p': preset = optarg; break;
-      case 'm': model = optarg; break;
+      case 'm':
+        if (cli_path("gen", "model", optarg)) return 2;
+        model = optarg;
+        break;
       case 'j': {
         int64_t v;
         if (cli_int("gen", "jobs", optarg, 1, 256, &v)) return 2;

@@ -558,7 +558,10 @@ int cmd_run(int argc, char **argv) {
   optind = 1;
   while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
     switch (c) {
-      case 'm': model = optarg; break;
+      case 'm':
+        if (cli_path("run", "model", optarg)) return 2;
+        model = optarg;
+        break;
       case 'p': preset = optarg; break;
       case 'i': ids_text = optarg; break;
       case 'c': if (cli_int("run", "context", optarg, 1, 1 << 20, &iv)) return 2; context = iv; context_set = 1; break;

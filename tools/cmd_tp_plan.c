@@ -102,7 +102,10 @@ int cmd_tp_plan(int argc, char **argv) {
   while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
     switch (c) {
       case 'p': preset = optarg; break;
-      case 'm': model = optarg; break;
+      case 'm':
+        if (cli_path("tp-plan", "model", optarg)) return 2;
+        model = optarg;
+        break;
       case 't': if (cli_int("tp-plan", "tp", optarg, 1, M3_TP_MAX, &iv)) return 2; tp = (int)iv; break;
       case 'w':
         if (strcmp(optarg, "bf16") && strcmp(optarg, "mxfp8")) {

@@ -280,7 +280,10 @@ int cmd_tune(int argc, char **argv) {
   while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
     switch (c) {
       case 'p': o.preset = optarg, model_given = 1; break;
-      case 'm': o.model_dir = optarg, model_given = 1; break;
+      case 'm':
+        if (cli_path("tune", "model", optarg)) return 2;
+        o.model_dir = optarg, model_given = 1;
+        break;
       case 'o': o.only = optarg; break;
       case 's': o.shapes = optarg; break;
       case 'b': {

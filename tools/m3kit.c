@@ -84,6 +84,12 @@ int main(int argc, char **argv) {
   return 2;
 }
 
+int cli_path(const char *cmd, const char *opt, const char *text) {
+  if (*text) return 0;
+  fprintf(stderr, "m3kit %s: --%s: an empty path\n", cmd, opt);
+  return -1;
+}
+
 int cli_int(const char *cmd, const char *opt, const char *text, int64_t lo, int64_t hi, int64_t *out) {
   char *end;
   errno = 0;
