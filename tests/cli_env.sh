@@ -67,6 +67,8 @@ for c in run gen tp-plan tune; do
   out=$("$m3kit" $c --model '' 2>&1) || rc=$?
   [ "$rc" = 2 ] && printf '%s\n' "$out" | grep -q -- "--model: an empty path" || fail "$c --model '': exit $rc: $out"
 done
+out=$("$m3kit" tp-plan --preset minimax-m3 --tp 1) || fail "tp-plan --tp 1: $out"
+printf '%s\n' "$out" | grep -q "GB  *no fit  *no fit" || fail "tp-plan --tp 1 (442 GB of weights on 141 GB): $out"
 # --dump-logits: written (a GPU), or exit 3 and no file (none): never exit 0 without it
 rc=0
 M3KIT_CACHE_DIR="$dir/cr" "$m3kit" run --dump-logits "$dir/l.npy" > /dev/null 2>&1 || rc=$?

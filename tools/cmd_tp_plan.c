@@ -17,7 +17,8 @@ static void help(void) {
          "(replicated when N exceeds them), intermediate slices of the dense MLP, of every routed expert and\n"
          "of the shared expert, lm_head rows, its weight bytes, its KV + index-K cache bytes per token (bf16\n"
          "and e4m3 caches) and the context that fits G GB per GPU after its weights and 4 GB of workspace\n"
-         "(at most max_position_embeddings: such rows say so).\n"
+         "(at most max_position_embeddings: such rows say so; 'no fit' where the weights and workspace alone\n"
+         "exceed G).\n"
          "  --preset NAME   minimax-m3 (default), tiny;  --model DIR reads DIR/config.json\n"
          "  --tp N          ranks (1..64; default: the plans for 1, 2, 4 and 8)\n"
          "  --weights W     storage of the linear weights (default as m3kit run: MXFP8 for models with\n"
@@ -83,6 +84,8 @@ static void print_plan(const m3_config *c, int tp, double gpu_gb, int resident) 
     char t16[24], t8[24];
     snprintf(t16, sizeof t16, c16 >= mp ? "%.0f (max)" : "%.0f", c16 >= mp ? mp : c16);
     snprintf(t8, sizeof t8, c8 >= mp ? "%.0f (max)" : "%.0f", c8 >= mp ? mp : c8);
+    if (free_b <= 0) /* the weights and workspace alone exceed the GPU: no context, not a context of 0 */
+      snprintf(t16, sizeof t16, "no fit"), snprintf(t8, sizeof t8, "no fit");
     printf("  %-4d %-9s %-11s %-13s %-13s %-13s %-17s %7.1f GB %13s %13s\n", r, q, kv, d, x, s, v, w / 1e9, t16,
            t8);
   }
