@@ -48,7 +48,11 @@ m3_status m3_err_prefix(m3_err *e, const char *fmt, ...) {
   vsnprintf(head, sizeof head, fmt, ap);
   va_end(ap);
   memcpy(old, e->msg, sizeof old);
-  snprintf(e->msg, sizeof e->msg, "%s%s", head, old);
+  /* head, then as much of the old message as fits (truncation is expected) */
+  const size_t hl = strnlen(head, sizeof e->msg - 1), ol = strnlen(old, sizeof e->msg - 1 - hl);
+  memcpy(e->msg, head, hl);
+  memcpy(e->msg + hl, old, ol);
+  e->msg[hl + ol] = 0;
   return e->code;
 }
 
