@@ -32,7 +32,7 @@ static int arch_ok(const char *a) {
 }
 
 m3_status m3_nvrtc_arch_check(const char *arch, m3_err *e) {
-  if (!arch_ok(arch)) return m3_errf(e, M3_INVAL, "bad SM arch '%s' (want sm_XX or sm_XXa)", arch);
+  if (!arch_ok(arch)) return m3_errf(e, M3_INVAL, "bad SM arch '%s' (want sm_XX, sm_XXa or sm_XXf)", arch);
   int n = 0;
   nvrtcResult r = nvrtcGetNumSupportedArchs(&n);
   if (r != NVRTC_SUCCESS) return m3_errf(e, M3_NVRTC, "nvrtcGetNumSupportedArchs: %s", nvrtcGetErrorString(r));
@@ -43,6 +43,13 @@ m3_status m3_nvrtc_arch_check(const char *arch, m3_err *e) {
     return m3_errf(e, M3_NVRTC, "nvrtcGetSupportedArchs: %s", nvrtcGetErrorString(r));
   }
   const int want = atoi(arch + 3);
+  const char sfx = arch[strlen(arch) - 1];
+  /* arch-specific (a) targets exist from sm_90, family (f) ones from sm_100 */
+  if ((sfx == 'a' && want < 90) || (sfx == 'f' && want < 100)) {
+    free(v);
+    return m3_errf(e, M3_INVAL, "SM arch %s: there is no '%c' target below sm_%d (sm_90a, sm_100a, sm_100f, ...)",
+                   arch, sfx, sfx == 'a' ? 90 : 100);
+  }
   int found = 0;
   for (int i = 0; i < n; i++) found |= v[i] == want;
   const int lo = n > 0 ? v[0] : 0, hi = n > 0 ? v[n - 1] : 0;
@@ -58,7 +65,7 @@ m3_status m3_nvrtc_compile(const char *src, const char *name, const char *arch, 
   *cubin = NULL;
   *size = 0;
   if (log) *log = NULL;
-  if (!arch_ok(arch)) return m3_errf(e, M3_INVAL, "bad SM arch '%s' (want sm_XX or sm_XXa)", arch);
+  if (!arch_ok(arch)) return m3_errf(e, M3_INVAL, "bad SM arch '%s' (want sm_XX, sm_XXa or sm_XXf)", arch);
   char opts[512];
   m3_nvrtc_options(arch, opts, sizeof opts);
   if (extra && *extra) {

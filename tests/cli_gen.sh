@@ -40,11 +40,13 @@ out=$(M3KIT_TEMPLATE_DIR="$tpl" "$m3kit" gen --tiles 'vbad(a=1)@sm_90' 2>&1) || 
 [ "$rc" = 1 ] || fail "--tiles over a failing valid(): exit $rc, want 1: $out"
 printf '%s\n' "$out" | grep -q 'M3_TEMPLATE: vbad.valid: .*vbad.lua:2: boom' || fail "--tiles hid valid()'s error: $out"
 # An arch NVRTC does not know: an error naming it, and no cache folder made for it.
-rc=0
-out=$(M3KIT_CACHE_DIR="$tpl/c999" "$m3kit" gen --compile 'embed(hidden=256)' --arch sm_999 2>&1) || rc=$?
-[ "$rc" = 1 ] || fail "--compile --arch sm_999: exit $rc, want 1: $out"
-printf '%s\n' "$out" | grep -q 'SM arch sm_999: NVRTC .* does not compile for it' || fail "--arch sm_999: $out"
-[ ! -e "$tpl/c999/cubin/sm_999" ] || fail "--arch sm_999 left a cubin folder for it"
+for a in sm_999:"does not compile for it" sm_80a:"no 'a' target below sm_90" sm_90f:"no 'f' target below sm_100"; do
+  rc=0
+  out=$(M3KIT_CACHE_DIR="$tpl/c999" "$m3kit" gen --compile 'embed(hidden=256)' --arch "${a%%:*}" 2>&1) || rc=$?
+  [ "$rc" = 1 ] || fail "--compile --arch ${a%%:*}: exit $rc, want 1: $out"
+  printf '%s\n' "$out" | grep -q "SM arch ${a%%:*}: .*${a#*:}" || fail "--arch ${a%%:*}: $out"
+  [ ! -e "$tpl/c999/cubin/${a%%:*}" ] || fail "--arch ${a%%:*} left a cubin folder for it"
+done
 # --tiles of a key that names a tile, and an --arch list with a repeat: option errors
 for a in "--tiles embed(hidden=256)[threads=512]" "--all --arch sm_90,sm_80,sm_90"; do
   rc=0

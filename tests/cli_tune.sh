@@ -32,7 +32,7 @@ rc=0
 "$m3kit" tune --show --model "$dir/nonexistent" > /dev/null 2>&1 || rc=$?
 [ "$rc" = 2 ] || fail "--show --model: exit $rc, want 2 (--model selects what to tune)"
 # what to tune is checked before the GPU is looked for (exit 2 here, not "no GPU")
-for a in "--shapes=tokens=abc" "--shapes=tokens=" "--shapes==1" "--shapes=tokens=1,,2" "--only="; do
+for a in "--shapes=tokens=abc" "--shapes=tokens=" "--shapes==1" "--shapes=tokens=1,,2" "--shapes=tokns=1" "--only="; do
   rc=0
   out=$("$m3kit" tune "$a" 2>&1) || rc=$?
   [ "$rc" = 2 ] || fail "tune $a: exit $rc, want 2: $out"

@@ -150,7 +150,7 @@ int cmd_gen(int argc, char **argv) {
     size_t l = strcspn(ap, ",");
     snprintf(a, sizeof a, "%.*s", (int)(l < sizeof a ? l : sizeof a - 1), ap);
     if (l >= sizeof a || !m3_arch_valid(a)) {
-      fprintf(stderr, "m3kit gen: bad SM arch '%.*s' in --arch (want sm_XX or sm_XXa, e.g. sm_90a)\n", (int)l, ap);
+      fprintf(stderr, "m3kit gen: bad SM arch '%.*s' in --arch (want sm_XX, sm_XXa or sm_XXf, e.g. sm_90a)\n", (int)l, ap);
       return 2;
     }
     for (const char *q = archs; q < ap; q += strcspn(q, ",") + 1)   /* a repeat would build every kernel twice */

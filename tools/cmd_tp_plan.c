@@ -84,8 +84,9 @@ static void print_plan(const m3_config *c, int tp, double gpu_gb, int resident) 
     char t16[24], t8[24];
     snprintf(t16, sizeof t16, c16 >= mp ? "%.0f (max)" : "%.0f", c16 >= mp ? mp : c16);
     snprintf(t8, sizeof t8, c8 >= mp ? "%.0f (max)" : "%.0f", c8 >= mp ? mp : c8);
-    if (free_b <= 0) /* the weights and workspace alone exceed the GPU: no context, not a context of 0 */
-      snprintf(t16, sizeof t16, "no fit"), snprintf(t8, sizeof t8, "no fit");
+    /* not one token's cache beside the weights and workspace: no fit, not a context of 0 */
+    if (c16 < 1) snprintf(t16, sizeof t16, "no fit");
+    if (c8 < 1) snprintf(t8, sizeof t8, "no fit");
     printf("  %-4d %-9s %-11s %-13s %-13s %-13s %-17s %7.1f GB %13s %13s\n", r, q, kv, d, x, s, v, w / 1e9, t16,
            t8);
   }

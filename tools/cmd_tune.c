@@ -79,14 +79,18 @@ static int run_gnuplot(const char *dir, int n) {
 }
 
 /* NULL when spec is NAME=N[,N...] groups joined by ';' (the syntax the
- * tuner's bucket filter reads), else what is wrong with it. */
+ * tuner's bucket filter reads), NAME one of the dims the tuned ops' buckets
+ * have (autotune/op_*.c: a name no bucket has would select every shape),
+ * else what is wrong with it. */
 static const char *shapes_error(const char *spec) {
   const char *p = spec;
   if (!*p) return "empty";
   for (;;) {
     const char *n0 = p;
-    while ((*p >= 'a' && *p <= 'z') || *p == '_') p++;
+    while ((*p >= 'a' && *p <= 'z') || (p > n0 && ((*p >= '0' && *p <= '9') || *p == '_'))) p++;
     if (p == n0 || *p != '=') return "a group is not NAME=N[,N...]";
+    if (!((p - n0 == 6 && !strncmp(n0, "tokens", 6)) || (p - n0 == 3 && !strncmp(n0, "ctx", 3))))
+      return "a shape dim is not one of the buckets' (tokens, ctx)";
     p++;
     for (;;) {
       if (*p < '0' || *p > '9') return "a value is not a non-negative integer";
