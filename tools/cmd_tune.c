@@ -41,7 +41,8 @@ static void help(void) {
          "  --rehash           give every record of the DB (or --db FILE) whose template is unchanged the\n"
          "                     code hash of its tile, so that later template edits that leave that code\n"
          "                     alone keep it valid, and records kept that way the current template hash\n"
-         "                     (a load then renders nothing); no GPU\n");
+         "                     (a load then renders nothing); no GPU.  A DB is written under FILE.lock (an\n"
+         "                     flock; the empty file stays, as every writer of FILE uses it)\n");
   printf("\nkernel families (one adapter each, autotune/ops_table.c; kv_insert and fill are never\n"
          "looked up by shape at run time, so they have no shapes to tune):\n ");
   int col = 1;
