@@ -11,7 +11,8 @@
 #     --case tokens=8192 --budget 150 --rounds 2 --out DIR old=tpl-old new=-
 #
 # Writes DIR/NAME-tune.log, DIR/NAME-ROUND.md and .log (the bench's), and
-# DIR/ab.md (each round's tables, arm after arm, with every exit status).
+# DIR/ab.md (a summary: each arm's mean time a row and its ratio to the first arm; then each
+# round's tables, arm after arm, with every exit status).
 # Exit status 1 if any tune or bench failed (ab.md is written all the same).
 set -u
 fam= shapes= bench= case= budget=120 rounds=2 out= m3kit=./m3kit
@@ -83,6 +84,37 @@ done
   for a in "$@"; do echo "- arm ${a%%=*}: templates ${a#*=}"; done
   echo
   sed 's/^/    /' "$status"
+  # Per row: each arm's mean over the rounds of the graph time (else the
+  # median), and each arm against the first.  Rows are matched by their first
+  # two cells (the case or key, and the shape or key), never by tile.
+  echo; echo "## Summary: mean over the rounds, us (graph us/launch where the bench gives it, else the median)"; echo
+  for a in "$@"; do
+    n=${a%%=*} r=1
+    while [ "$r" -le "$rounds" ]; do
+      [ -f "$out/$n-$r.md" ] && sed "s/^/$n\t/" "$out/$n-$r.md"
+      r=$((r + 1))
+    done
+  done | awk -F'\t' -v arms="$(for a in "$@"; do printf '%s ' "${a%%=*}"; done)" '
+    { arm = $1; line = substr($0, length(arm) + 2) }
+    line !~ /^\|/ { next }
+    { nf = split(line, c, "|"); for (i = 1; i <= nf; i++) gsub(/^ +| +$/, "", c[i]) }
+    c[2] == "variant" || c[2] == "case" || c[2] ~ /^-+$/ || c[4] == "tile" {   # a header (or its rule): find the time column
+      if (c[2] !~ /^-+$/) { col = 0; for (i = 1; i <= nf; i++) if (c[i] ~ /^graph us/) col = i
+        if (!col) for (i = 1; i <= nf; i++) if (c[i] ~ /^median/) col = i }
+      next }
+    col && c[col] ~ /^[0-9.]+$/ { k = c[2] " | " c[3]; if (!(k in seen)) { seen[k] = 1; order[++nk] = k }
+      sum[k, arm] += c[col]; cnt[k, arm]++ }
+    END {
+      na = split(arms, A, " ")
+      printf "| row | |"; for (a = 1; a <= na; a++) printf " %s |", A[a]
+      for (a = 2; a <= na; a++) printf " %s/%s |", A[a], A[1]; printf "\n|---|---|"
+      for (a = 1; a < 2 * na; a++) printf "---|"; printf "\n"
+      for (i = 1; i <= nk; i++) { k = order[i]; printf "| %s |", k
+        for (a = 1; a <= na; a++) if (cnt[k, A[a]]) printf " %.2f |", sum[k, A[a]] / cnt[k, A[a]]; else printf " - |"
+        for (a = 2; a <= na; a++)
+          if (cnt[k, A[a]] && cnt[k, A[1]]) printf " %.3f |", (sum[k, A[a]] / cnt[k, A[a]]) / (sum[k, A[1]] / cnt[k, A[1]])
+          else printf " - |"
+        printf "\n" } }'
   r=1
   while [ "$r" -le "$rounds" ]; do
     for a in "$@"; do
