@@ -53,7 +53,9 @@ static void usage(FILE *f) {
           "                       norm: the combine inside the next add+norm, not with combine (default none)\n"
           "  M3KIT_TUNE_PIN_SLACK how much slower than its own pick `m3kit tune` keeps a pinned tile (default 0.03)\n"
           "  M3KIT_NCCL_LIB       the NCCL library --tp loads (tried first; then libnccl.so.2, then the toolkit's)\n"
-          "(README.md lists the ones for tests: M3KIT_SEED, M3KIT_SMALL)\n");
+          "(README.md lists the ones for tests: M3KIT_SEED, M3KIT_SMALL)\n"
+          "\nexit status: 0 done, 1 error, 2 bad option or argument, 3 no CUDA GPU for what needs one (tune, bench;\n"
+          "run without a GPU compiles the kernels instead and exits 0)\n");
 }
 
 int main(int argc, char **argv) {
