@@ -47,8 +47,8 @@ out=$("$m3kit" make-checkpoint --config "$dir/ck/config.json" --out "$dir/ck" 2>
 printf '%s\n' "$out" | grep -q "ck already holds a model config (config.json)" || fail "make-checkpoint over config.json: $out"
 cmp -s "$dir/ck/config.json" "$dir/ck.orig" || fail "make-checkpoint changed the config.json it refused"
 # run with no GPU compiles the tiles a GPU of --arch would take from the tuning DB
-# (user + seed), not only the defaults, so that a later GPU run finds them cached:
-# a seed record for the tiny model's embed at threads=512 (default 256).
+# (user + seed), not only the defaults, so that a tile which no longer builds shows
+# without a GPU: a seed record for the tiny model's embed at threads=512 (default 256).
 th=$("$m3kit" gen --templates | sed -n 's/^embed  (template hash \([0-9a-f]*\)).*/\1/p')
 [ -n "$th" ] || fail "no template hash for embed in gen --templates"
 # The same tile spelled another way (a second bucket) is built once.
