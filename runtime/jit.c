@@ -67,11 +67,6 @@ static void excerpt(const char *log, const char *src, char *out, size_t n) {
   }
 }
 
-/* 1 the first time a process calls it with this flag: a warning whose text
- * names a file (so m3_warn_once would let each file's through) given once. */
-static int first_time(int *flag) { return !__atomic_exchange_n(flag, 1, __ATOMIC_RELAXED); }
-static int warned_dump, warned_lock, warned_write;
-
 /* $M3KIT_DUMP_DIR/<entry>.<arch>.cu and .log (the entry symbol is the same
  * for every arch: the arch keeps one arch's dump from replacing another's).
  * A debugging aid: a failure is warned about once and never fails the build. */
@@ -80,7 +75,7 @@ static void dump(const char *sym, const char *arch, const char *src, const char 
   if (!dir || !*dir) return;
   m3_err e;
   if (m3_mkdirs(dir, &e) != M3_OK) {
-    if (first_time(&warned_dump)) m3_warn("M3KIT_DUMP_DIR: %s; nothing dumped", e.msg);
+    m3_warn_once_as("dump", "M3KIT_DUMP_DIR: %s; nothing dumped", e.msg);
     return;
   }
   char p[4200];
@@ -97,7 +92,7 @@ static void dump(const char *sym, const char *arch, const char *src, const char 
     s = m3_write_atomic(p, all, strlen(all), &e);
   }
   free(all);
-  if (s != M3_OK && first_time(&warned_dump)) m3_warn("M3KIT_DUMP_DIR: %s; dumps are incomplete", e.msg);
+  if (s != M3_OK) m3_warn_once_as("dump", "M3KIT_DUMP_DIR: %s; dumps are incomplete", e.msg);
 }
 
 static m3_status compile(m3_jit *j, const m3_source *src, const char *arch, const char *opts,
@@ -173,8 +168,7 @@ m3_status m3_jit_build_rendered(m3_jit *j, const m3_variant *v, const m3_source 
   if ((s = m3_nvrtc_arch_check(v->arch, e)) != M3_OK) goto done;
   int lockfd = -1;
   if (m3_mkdirs(dir, &le) != M3_OK || m3_lock(path, &lockfd, &le) != M3_OK) {
-    if (first_time(&warned_lock))
-      m3_warn("cubin cache at %s is not usable (%s); continuing uncached", j->cache_root, le.msg);
+    m3_warn_once_as("cubin-lock", "cubin cache at %s is not usable (%s); continuing uncached", j->cache_root, le.msg);
     __atomic_fetch_add(&j->uncached, 1, __ATOMIC_RELAXED);
     s = compile(j, &src, v->arch, opts, out, e);
     goto done;
@@ -191,7 +185,7 @@ m3_status m3_jit_build_rendered(m3_jit *j, const m3_variant *v, const m3_source 
   if (s == M3_OK) {
     __atomic_fetch_add(&j->builds, 1, __ATOMIC_RELAXED);
     if (m3_cubin_store(path, keytext, out->data, out->size, &out->meta, &le) != M3_OK) {
-      if (first_time(&warned_write)) m3_warn("cannot write the cubin cache (%s); continuing uncached", le.msg);
+      m3_warn_once_as("cubin-write", "cannot write the cubin cache (%s); continuing uncached", le.msg);
       __atomic_fetch_add(&j->uncached, 1, __ATOMIC_RELAXED);
     }
   }

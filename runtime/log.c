@@ -49,20 +49,36 @@ void m3_warn(const char *fmt, ...) {
   emit(M3_LOG_WARN, buf);
 }
 
+/* 1 the first time this process sees `text` (by its hash), else 0. */
+static int first_seen(const char *text) {
+  unsigned long long h = XXH3_64bits(text, strlen(text));
+  pthread_mutex_lock(&mu);
+  for (int i = 0; i < n_seen; i++)
+    if (seen[i] == h) {
+      pthread_mutex_unlock(&mu);
+      return 0;
+    }
+  if (n_seen < 256) seen[n_seen++] = h;
+  pthread_mutex_unlock(&mu);
+  return 1;
+}
+
 void m3_warn_once(const char *fmt, ...) {
   char buf[4096];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(buf, sizeof buf, fmt, ap);
   va_end(ap);
-  unsigned long long h = XXH3_64bits(buf, strlen(buf));
-  pthread_mutex_lock(&mu);
-  for (int i = 0; i < n_seen; i++)
-    if (seen[i] == h) {
-      pthread_mutex_unlock(&mu);
-      return;
-    }
-  if (n_seen < 256) seen[n_seen++] = h;
-  pthread_mutex_unlock(&mu);
+  if (first_seen(buf)) emit(M3_LOG_WARN, buf);
+}
+
+void m3_warn_once_as(const char *kind, const char *fmt, ...) {
+  char key[256], buf[4096];
+  snprintf(key, sizeof key, "\x01kind:%s", kind);   /* apart from any message text */
+  if (!first_seen(key)) return;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
   emit(M3_LOG_WARN, buf);
 }

@@ -12,6 +12,9 @@ void m3_log_set(m3_log_fn fn, void *user);
 void m3_info(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void m3_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void m3_warn_once(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* Once per `kind` in this process, whatever the text: for a warning that
+ * names the file it failed on, which m3_warn_once would repeat per file. */
+void m3_warn_once_as(const char *kind, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Verbosity for m3_info: 0 quiet (default), 1 verbose (M3KIT_VERBOSE=1). */
 int m3_log_verbose(void);
 /* An on/off environment variable (M3KIT_VERBOSE, M3KIT_NO_JIT, ...): on when

@@ -596,6 +596,11 @@ static int readonly_child(void) {
               "warning: '%s'", logbuf);
   CHILD_CHECK(build_key(&j, 1, &c, &e) == 0 && j.uncached == 2, "second uncached build");
   m3_cubin_free(&c);
+  /* Another key's failure names another file: still the one warning a process. */
+  CHILD_CHECK(build_key(&j, 2, &c, &e) == 0 && j.uncached == 3, "third uncached build");
+  m3_cubin_free(&c);
+  const char *w1 = strstr(logbuf, "not usable");
+  CHILD_CHECK(w1 && !strstr(w1 + 1, "not usable"), "the cache warning repeated: '%s'", logbuf);
   /* The DB: saving fails with the file and the reason, loading still works. */
   m3_status s = put_and_save(tpath, "ro2(a=1)", 1, &e);
   CHILD_CHECK(s == M3_IO && strstr(e.msg, "tuning") &&
