@@ -1269,23 +1269,21 @@ m3_status m3_tunedb_add_code_hashes(const char *path, const m3_tunedb_filter *f,
   json_t *recs = s == M3_OK ? json_object_get(doc, "records") : NULL;
   for (size_t i = 0; s == M3_OK && i < json_array_size(recs); i++) {
     json_t *r = json_array_get(recs, i), *prov = json_object_get(r, "provenance");
-    const char *key = json_string_value(json_object_get(r, "key")), *tile = json_string_value(json_object_get(r, "tile"));
-    const char *arch = json_string_value(json_object_get(r, "arch"));
-    const char *th = json_string_value(json_object_get(prov, "template_hash"));
-    const char *ch = json_string_value(json_object_get(prov, "code_hash"));
-    /* Malformed by the loader's own test (a bad bucket, a field of the wrong
-     * type, ...): the loader's business, kept as it is. */
+    /* Malformed by the loader's own test (a missing key, a bad bucket, a field
+     * of the wrong type, ...): the loader's business, kept as it is.  The
+     * record's strings are borrowed from r. */
     m3_tune_record pr;
     m3_tune_candidate *pc;
     char why[300];
     int unk = 0;
     const int bad = parse_record(r, &pr, &pc, &unk, why, sizeof why) != 0;
     free(pc);
-    if (bad || !key || !tile || !arch || !th) {
+    if (bad) {
       if (cnt.first_malformed < 0) cnt.first_malformed = (int)i;
       cnt.malformed++;
       continue;
     }
+    const char *key = pr.key, *tile = pr.tile, *arch = pr.arch, *th = pr.prov.template_hash, *ch = pr.prov.code_hash;
     char name[160], cur[64];
     template_name(key, name, sizeof name);
     const char *t = f->template_hash(f->ctx, name);
