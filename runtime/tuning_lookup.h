@@ -39,8 +39,8 @@ void m3_tuning_filter_init(struct m3_tunedb_filter *f, m3_tuning_hash_ctx *hc, c
 /* Never fails: an unreadable or stale DB is reported once and ignored. */
 struct m3_tunedb *m3_tuning_open(const char *cache_root, const m3_device *dev, m3_lua *lua);
 /* The same DB as a GPU of `arch` would read, without one (its driver not
- * checked): what `m3kit run` compiles on a machine with no GPU, so that a
- * later GPU run finds the tuned tiles' cubins too.  Never fails either. */
+ * checked): the tiles `m3kit run` compiles on a machine with no GPU, to show
+ * each one still builds.  Never fails either. */
 struct m3_tunedb *m3_tuning_open_arch(const char *cache_root, const char *arch, m3_lua *lua);
 void m3_tuning_close(struct m3_tunedb *db);
 /* 1 and the tile text ("warps=4,hpw=1") when a record applies to `key` (with

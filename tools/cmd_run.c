@@ -200,32 +200,33 @@ static m3_status build_one(m3_jit *j, m3_variant *v, int *built, int *hits, m3_e
 
 /* The tuned tiles of variant v (axes and arch set) that the tuning DB (user
  * records + seed) holds and the template still accepts: on a GPU of this
- * arch the runtime takes its tile from these, so each must build too.  One
- * build a canonical tile (records may spell one tile differently). */
+ * arch the runtime takes its tile from these, so each must build too.  Each
+ * canonical tile once (records of several buckets may spell one differently). */
 static m3_status build_tuned(m3_jit *j, struct m3_tunedb *db, const m3_variant *v, int *built, int *hits, int *tuned,
-                             char (*done)[M3_KEY_MAX], int cap, int *n_done, m3_err *e) {
-  char axes[M3_KEY_MAX], def[M3_KEY_MAX];
-  m3_variant_print_axes(v, axes, sizeof axes);
-  m3_variant_print(v, def, sizeof def);   /* v has its default tile */
+                             m3_err *e) {
   const size_t n = db ? m3_tunedb_count(db) : 0;
-  for (size_t i = 0; i < n; i++) {
+  char axes[M3_KEY_MAX], (*done)[M3_KEY_MAX] = calloc(n + 1, sizeof *done);   /* done[0]: the default, built */
+  if (!done) return m3_errf(e, M3_NOMEM, "tuned tiles of a variant");
+  m3_variant_print_axes(v, axes, sizeof axes);
+  m3_variant_print_tile(v, done[0], sizeof done[0]);
+  size_t nd = 1;
+  m3_status s = M3_OK;
+  for (size_t i = 0; i < n && s == M3_OK; i++) {
     const m3_tune_record *r = m3_tunedb_get(db, i);
-    if (strcmp(r->key, axes) || strcmp(r->arch, v->arch)) continue;
-    char why[256] = "";
-    if (!m3_tuning_tile_ok(j->lua, v, r->tile, why, sizeof why)) continue;
+    char why[256];
+    if (strcmp(r->key, axes) || strcmp(r->arch, v->arch) || !m3_tuning_tile_ok(j->lua, v, r->tile, why, sizeof why))
+      continue;
     m3_variant t = *v;
-    char k[M3_KEY_MAX];
-    M3_TRY(m3_variant_parse_tile(&t, r->tile, e));
-    M3_TRY(m3_render_canon(j->lua, &t, e));
-    m3_variant_print(&t, k, sizeof k);
-    int seen = !strcmp(k, def);   /* the default tile, built already */
-    for (int q = 0; q < *n_done && !seen; q++) seen = !strcmp(done[q], k);
-    if (seen) continue;
-    if (*n_done < cap) snprintf(done[(*n_done)++], M3_KEY_MAX, "%s", k);
-    M3_TRY(build_one(j, &t, built, hits, e));
-    (*tuned)++;
+    if ((s = m3_variant_parse_tile(&t, r->tile, e)) != M3_OK || (s = m3_render_canon(j->lua, &t, e)) != M3_OK) break;
+    m3_variant_print_tile(&t, done[nd], sizeof done[nd]);
+    size_t q = 0;
+    while (q < nd && strcmp(done[q], done[nd])) q++;
+    if (q < nd) continue;
+    nd++;
+    if ((s = build_one(j, &t, built, hits, e)) == M3_OK) (*tuned)++;
   }
-  return M3_OK;
+  free(done);
+  return s;
 }
 
 /* No GPU: render + compile every variant the model needs for `arch`, at its
@@ -248,7 +249,6 @@ static int compile_only(const char *preset, const char *model, const char *arch)
   double t0 = now_s();
   int built = 0, hits = 0, tuned = 0, rc = 0;
   struct m3_tunedb *db = m3_tuning_open_arch(j.cache_root, arch, j.lua);
-  static char done[64][M3_KEY_MAX];   /* a variant's tuned tiles built so far (a DB holds <= 7 buckets a key) */
   for (const char *const *t = m3_lua_template_names(); *t && !rc; t++) {
     m3_variant *vs = NULL;
     int n = 0;
@@ -257,7 +257,7 @@ static int compile_only(const char *preset, const char *model, const char *arch)
       snprintf(vs[i].arch, sizeof vs[i].arch, "%s", arch);
       if ((s = m3_render_default_tile(j.lua, &vs[i], &e)) != M3_OK ||
           (s = build_one(&j, &vs[i], &built, &hits, &e)) != M3_OK ||
-          (s = build_tuned(&j, db, &vs[i], &built, &hits, &tuned, done, 64, &(int){0}, &e)) != M3_OK) {
+          (s = build_tuned(&j, db, &vs[i], &built, &hits, &tuned, &e)) != M3_OK) {
         rc = cli_fail("run", s, &e);
         break;
       }
