@@ -31,22 +31,24 @@ static void emit(int level, const char *msg) {
   else if (level >= M3_LOG_WARN || m3_log_verbose()) fprintf(stderr, "m3kit: %s%s\n", level ? "warning: " : "", msg);
 }
 
-void m3_info(const char *fmt, ...) {
+static void vemit(int level, const char *fmt, va_list ap) {
   char buf[4096];
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  emit(level, buf);
+}
+
+void m3_info(const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(buf, sizeof buf, fmt, ap);
+  vemit(M3_LOG_INFO, fmt, ap);
   va_end(ap);
-  emit(M3_LOG_INFO, buf);
 }
 
 void m3_warn(const char *fmt, ...) {
-  char buf[4096];
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(buf, sizeof buf, fmt, ap);
+  vemit(M3_LOG_WARN, fmt, ap);
   va_end(ap);
-  emit(M3_LOG_WARN, buf);
 }
 
 /* 1 the first time this process sees `text` (by its hash), else 0. */
@@ -73,12 +75,11 @@ void m3_warn_once(const char *fmt, ...) {
 }
 
 void m3_warn_once_as(const char *kind, const char *fmt, ...) {
-  char key[256], buf[4096];
+  char key[256];
   snprintf(key, sizeof key, "\x01kind:%s", kind);   /* apart from any message text */
   if (!first_seen(key)) return;
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(buf, sizeof buf, fmt, ap);
+  vemit(M3_LOG_WARN, fmt, ap);
   va_end(ap);
-  emit(M3_LOG_WARN, buf);
 }
