@@ -1430,25 +1430,26 @@ static void fmt_us(char *b, size_t n, double v) {
     snprintf(b, n, "-");
 }
 
-/* Column widths fit the longest key/bucket/tile so that the table stays
- * aligned for real keys (60+ characters) without truncating any of them:
- * the key is what the user copies into the next command. */
+/* Records come grouped by key and arch (the file's order, cmp_disk), so each
+ * group opens with its key on a line of its own and its rows are indented
+ * below it: a key is 60-150 characters, and a key column padded to the
+ * longest one made every row 330 wide.  The key stays whole, since it is what
+ * the user copies into the next command.  The tiles (up to 70 characters)
+ * come last, unpadded, the default only where the tuned tile differs. */
 void m3_tunedb_print(const m3_tunedb *db, FILE *out) {
   if (!db || !out) return;
-  int wk = 3, wb = 6, wt = 4, wd = 7;
+  int wb = 6;
   for (size_t i = 0; i < db->n; i++) {
-    const m3_tune_record *r = &db->v[i].r;
     char b[M3_BUCKET_STR_MAX];
-    int l = m3_bucket_format(&r->bucket, b, sizeof b);
-    if ((int)strlen(r->key) > wk) wk = (int)strlen(r->key);
+    int l = m3_bucket_format(&db->v[i].r.bucket, b, sizeof b);
     if (l > wb) wb = l;
-    if ((int)strlen(r->tile) > wt) wt = (int)strlen(r->tile);
-    if (r->default_tile && (int)strlen(r->default_tile) > wd) wd = (int)strlen(r->default_tile);
   }
-  fprintf(out, "%-*s  %-*s  %-6s  %-*s  %-*s  %10s  %10s  %7s  %-28s  %-9s  %s\n", wk, "key", wb, "bucket", "arch",
-          wt, "tile", wd, "default", "default_us", "tuned_us", "speedup", "metric", "pass/all", "src");
+  fprintf(out, "key (arch)\n  %-*s  %10s  %10s  %7s  %-28s  %-8s  %-11s  %s\n", wb, "bucket", "default_us", "tuned_us",
+          "speedup", "metric", "pass/all", "src", "tile (default)");
   for (size_t i = 0; i < db->n; i++) {
     const m3_tune_record *r = &db->v[i].r;
+    const m3_tune_record *p = i ? &db->v[i - 1].r : NULL;
+    if (!p || strcmp(p->key, r->key) || strcmp(p->arch, r->arch)) fprintf(out, "%s (%s)\n", r->key, r->arch);
     char b[M3_BUCKET_STR_MAX], du[32], tu[32], sp[32], met[64], pc[32];
     m3_bucket_format(&r->bucket, b, sizeof b);
     fmt_us(du, sizeof du, r->default_us);
@@ -1465,9 +1466,12 @@ void m3_tunedb_print(const m3_tunedb *db, FILE *out) {
     size_t passed = 0;
     for (size_t c = 0; c < r->n_candidates; c++) passed += r->candidates[c].disposition == M3_DISP_PASSED;
     snprintf(pc, sizeof pc, "%zu/%zu", passed, r->n_candidates);
-    fprintf(out, "%-*s  %-*s  %-6s  %-*s  %-*s  %10s  %10s  %7s  %-28s  %-9s  %s%s\n", wk, r->key, wb, b, r->arch, wt,
-            r->tile, wd, r->default_tile ? r->default_tile : "-", du, tu, sp, met, pc, origin_name(db->v[i].origin),
-            r->pinned ? ",pinned" : "");
+    char src[32];
+    snprintf(src, sizeof src, "%s%s", origin_name(db->v[i].origin), r->pinned ? ",pinned" : "");
+    const int same = r->default_tile && !strcmp(r->default_tile, r->tile);
+    fprintf(out, "  %-*s  %10s  %10s  %7s  %-28s  %-8s  %-11s  %s%s%s%s\n", wb, b, du, tu, sp, met, pc, src, r->tile,
+            same ? " (= default)" : " (", same ? "" : r->default_tile ? r->default_tile : "no default",
+            same ? "" : ")");
   }
   fprintf(out, "%zu records\n", db->n);
   /* Why a pinned record's tile is not the tuner's pick (cache/tunedb.h). */

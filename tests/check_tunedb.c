@@ -1078,8 +1078,9 @@ START_TEST(print_and_plot) {
   m3_tunedb_print(db, f);
   m3_tunedb_print_record(m3_tunedb_get(db, 0), f);
   fclose(f);
-  ck_assert_ptr_nonnull(strstr(buf, "qknorm_rope(attn=sparse)"));
-  ck_assert_ptr_nonnull(strstr(buf, "tokens=1,ctx=131072"));
+  /* each key heads its group on a line of its own; its records' rows follow, indented, tile last */
+  ck_assert_ptr_nonnull(strstr(buf, "\nqknorm_rope(attn=sparse) (sm_90)\n  tokens=1,ctx=131072 "));
+  ck_assert_ptr_nonnull(strstr(buf, "warps=4,tok=2 (warps=4,tok=1)\n"));
   ck_assert_ptr_nonnull(strstr(buf, "1.67x"));   /* 20.5 / 12.25 */
   ck_assert_ptr_nonnull(strstr(buf, "1/3"));     /* passed/all */
   ck_assert_ptr_nonnull(strstr(buf, "INCORRECT"));
