@@ -9,10 +9,11 @@
 # and, for the ablations, one stage cut out, and times `m3kit bench --only
 # attention` on that one row with no tuning DB.
 #
-#   sh attn_ablate.sh [--rounds N] [--out DIR] [--m3kit PATH] [--templates DIR] [--dry-run]
+#   sh attn_ablate.sh [--rounds N] [--out DIR] [--m3kit PATH] [--templates DIR] [--dry-run | --edit-only]
 #
 # --out defaults to $OUT/attn-ablate ($OUT: /tmp/out); --dry-run compiles every
-# variant (m3kit gen --compile, NVRTC, no GPU) instead of timing it.  Results:
+# variant (m3kit gen --compile, NVRTC, no GPU) instead of timing it.  --edit-only
+# only makes each variant's template copy (checks that the edits still apply).  Results:
 # DIR/ablate.tsv (round, case, variant, tile, median us, graph us, GB/s, % of copy).
 #
 # Variants (VARIANTS="..." picks; default all):
@@ -33,7 +34,7 @@ rounds=1 dry=0 out=${OUT:-/tmp/out}/attn-ablate m3kit=./m3kit tdir=./templates
 me=attn_ablate.sh
 . "$(dirname "$0")/ablate_common.sh"
 [ -f "$tdir/lib/attn_mma.lua" ] || { echo "attn_ablate.sh: no $tdir/lib/attn_mma.lua" >&2; exit 2; }
-mkdir -p "$out"
+mkdir -p "$out" && rm -f "$out/.edit-failed"
 dbf=warps=8,ctas=1,depth=1,cvt=alu,lead=1,merge=acqrel
 d8=warps=8,ctas=1,depth=1,cvt=hw,lead=1,merge=acqrel
 d128=warps=8,ctas=1,depth=1,cvt=alu,lead=0,merge=acqrel
@@ -72,7 +73,8 @@ for r in $(seq 1 "$rounds"); do
     [ -n "$nm" ] || continue
     for v in $variants; do
       case $v in full|nomerge|nokv|nokvmerge) ;; *) echo "attn_ablate.sh: unknown variant $v" >&2; exit 2;; esac
-      d=$(make_dir "$v-$nm" "$tpl" "$tile" "$v") || continue
+      d=$(make_dir "$v-$nm" "$tpl" "$tile" "$v") || { edit_failed "$r" "$nm" "$v" "$tile"; continue; }
+      [ "$dry" = 2 ] && { edited "$r" "$nm" "$v" "$tile"; continue; }
       md=$out/bench-$v-$nm-$r.md
       if [ "$dry" = 1 ]; then
         kv=bf16; case $row in *e4m3*) kv=e4m3;; esac
@@ -93,3 +95,4 @@ for r in $(seq 1 "$rounds"); do
     done
   done
 done
+ablate_done

@@ -6,10 +6,11 @@
 # for the ablations, one part of the ring's compute (ring_compute) cut out,
 # and times `m3kit bench --only ffn` on that one row with no tuning DB.
 #
-#   sh gemv_ablate.sh [--rounds N] [--out DIR] [--m3kit PATH] [--templates DIR] [--dry-run]
+#   sh gemv_ablate.sh [--rounds N] [--out DIR] [--m3kit PATH] [--templates DIR] [--dry-run | --edit-only]
 #
 # --out defaults to $OUT/gemv-ablate ($OUT: /tmp/out); --dry-run compiles every
-# variant (m3kit gen --compile, NVRTC, no GPU) instead of timing it.  Results:
+# variant (m3kit gen --compile, NVRTC, no GPU) instead of timing it.  --edit-only
+# only makes each variant's template copy (checks that the edits still apply).  Results:
 # DIR/ablate.tsv (round, case, variant, tile, median us, GB/s, % of copy).
 #
 # Variants (VARIANTS="..." picks; default all):
@@ -27,14 +28,15 @@
 #   contiglean contig with lean=1
 # The three ablations compute wrong answers: this measures time only.
 # Cases: CASES="name:bench row:tile;..." (tile: every tile axis); default: the
-# sm_90 seed's MoE down (rpw=2, tpc=4, pinned) and gate|up tiles (session 25).
+# sm_90 seed's MoE down (rpw=2, tpc=4) and gate|up tiles, both pinned at lead=1
+# (session 26).
 set -u
 rounds=1 dry=0 out=${OUT:-/tmp/out}/gemv-ablate m3kit=./m3kit tdir=./templates
 me=gemv_ablate.sh
 . "$(dirname "$0")/ablate_common.sh"
 [ -f "$tdir/mxfp8.lua" ] || { echo "gemv_ablate.sh: no $tdir/mxfp8.lua" >&2; exit 2; }
-mkdir -p "$out"
-cases=${CASES:-"down:W8A16 moe down:warps=4,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=4,lead=0,lean=0,ksplit=1;gateup:W8A16 moe gate|up:warps=4,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=1,lead=0,lean=0,ksplit=1"}
+mkdir -p "$out" && rm -f "$out/.edit-failed"
+cases=${CASES:-"down:W8A16 moe down:warps=4,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=4,lead=1,lean=0,ksplit=1;gateup:W8A16 moe gate|up:warps=4,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=1,lead=1,lean=0,ksplit=1"}
 variants=${VARIANTS:-"full lean noscale nocvt nocompute contig contiglean"}
 
 
@@ -50,7 +52,7 @@ def sub(pat, rep, txt, what):
     t, n = re.subn(pat, rep, txt)
     if n == 0: sys.exit("gemv_ablate.sh: %s not found in %s" % (what, p))
     return t
-s = sub(r'      return \{warps = 4, rpw = 1, unroll = 4, cvt = m3\.sm\(arch\) >= 89 and "hw" or "alu", pipe = 3, tpc = 1, lead = 0, lean = 0\}',
+s = sub(r'      return \{warps = 4, rpw = 1, unroll = 4, cvt = m3\.sm\(arch\) >= 89 and "hw" or "alu", pipe = 3, tpc = 1, lead = 0, lean = 0,\s*ksplit = 1\}',
         '      return {%s}' % tile, s, "the e4m3 ring's default_tile")
 # lean=0's ring compute: RING_COMPUTE, header text .. ring_step(decoder, scale lines) .. "}"
 a = s.index("local RING_COMPUTE = [==[")
@@ -88,7 +90,8 @@ for r in $(seq 1 "$rounds"); do
     for v in $variants; do
       case $v in full|noscale|nocvt|nocompute|contig) t=$tile;; lean|contiglean) t=$(echo "$tile" | sed 's/lean=0/lean=1/');;
         *) echo "gemv_ablate.sh: unknown variant $v" >&2; exit 2;; esac
-      d=$(make_dir "$v-$nm" "$t" "$v") || continue
+      d=$(make_dir "$v-$nm" "$t" "$v") || { edit_failed "$r" "$nm" "$v" "$t"; continue; }
+      [ "$dry" = 2 ] && { edited "$r" "$nm" "$v" "$t"; continue; }
       log=$out/bench-$v-$nm-$r.log
       if [ "$dry" = 1 ]; then
         cols=6144 settled=0; [ "$nm" = down ] && cols=3072 settled=1
@@ -110,3 +113,4 @@ for r in $(seq 1 "$rounds"); do
     done
   done
 done
+ablate_done

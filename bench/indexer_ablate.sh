@@ -6,14 +6,16 @@
 # for the ablations, one stage cut out, and times `m3kit bench --only indexer`
 # on that one case with no tuning DB (so the default tile is what runs).
 #
-#   sh indexer_ablate.sh [--rounds N] [--out DIR] [--m3kit PATH] [--templates DIR] [--dry-run]
+#   sh indexer_ablate.sh [--rounds N] [--out DIR] [--m3kit PATH] [--templates DIR] [--dry-run | --edit-only]
 #
 # --out defaults to $OUT/ablate ($OUT: /tmp/out); --dry-run compiles every
-# variant (m3kit gen --compile, NVRTC, no GPU) instead of timing it.  Results:
+# variant (m3kit gen --compile, NVRTC, no GPU) instead of timing it.  --edit-only
+# only makes each variant's template copy (checks that the edits still apply).  Results:
 # DIR/ablate.tsv (round, dtype, context, variant, tile, event median us, graph
 # us a launch), each run's bench table and log beside it.
 #
-# Variants (VARIANTS="..." picks; default all):
+# Variants (VARIANTS="..." picks; default all but lead2 and both, which only
+# apply to lead=1 tiles, and the seed's are lead=2 since session 24):
 #   fence     the case's tile with merge=fence
 #   acqrel    the case's tile with merge=acqrel
 #   lead2     lead=2, merge=fence  (cases whose tile has lead=1; skipped, said so, otherwise)
@@ -31,10 +33,10 @@ rounds=1 dry=0 out=${OUT:-/tmp/out}/ablate m3kit=./m3kit tdir=./templates
 me=indexer_ablate.sh
 . "$(dirname "$0")/ablate_common.sh"
 [ -f "$tdir/index_decode.lua" ] || { echo "indexer_ablate.sh: no $tdir/index_decode.lua" >&2; exit 2; }
-mkdir -p "$out"
+mkdir -p "$out" && rm -f "$out/.edit-failed"
 cases=${CASES:-"bf16:8192:warps=4,depth=2,waves=2,chunk=32,cvt=alu,lead=2;bf16:131072:warps=4,depth=2,waves=1,chunk=8,cvt=alu,lead=2;bf16:1048576:warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=2;e4m3:1048576:warps=4,depth=2,waves=1,chunk=16,cvt=hw,lead=2"}
 merge=${MERGE:-acqrel}
-variants=${VARIANTS:-"fence acqrel lead2 both nomerge handover noscore empty"}
+variants=${VARIANTS:-"fence acqrel nomerge handover noscore empty"}
 
 
 # make_dir NAME TILE ABLATION: a templates copy whose index_decode default is TILE, with the ablation applied
@@ -84,7 +86,8 @@ for r in $(seq 1 "$rounds"); do
         nomerge|handover|noscore|empty) t="$base,lead=$lead,merge=$merge" a=$v;;
         *) echo "indexer_ablate.sh: unknown variant $v" >&2; exit 2;;
       esac
-      d=$(make_dir "$v-$ix-$ctx" "$t" "$a") || continue
+      d=$(make_dir "$v-$ix-$ctx" "$t" "$a") || { edit_failed "$r" "$ix" "$ctx" "$v" "$t"; continue; }
+      [ "$dry" = 2 ] && { edited "$r" "$ix" "$ctx" "$v" "$t"; continue; }
       md=$out/bench-$v-$ix-$ctx-$r.md
       if [ "$dry" = 1 ]; then
         M3KIT_TEMPLATE_DIR=$d "$m3kit" gen --compile "index_decode(idxk=$ix,heads=4,hd=128,bs=128,topk=16,init=0,local=1)[$t]@sm_90" \
@@ -102,3 +105,4 @@ for r in $(seq 1 "$rounds"); do
     done
   done
 done
+ablate_done

@@ -1,0 +1,47 @@
+#!/bin/sh
+# bench_scripts.sh - the benchmark scripts a GPU session relies on still work, no GPU:
+#  * each ablation script (bench/indexer_ablate.sh, gemv_ablate.sh, attn_ablate.sh) applies every
+#    default variant's edit to the current templates (--edit-only): an edit that no longer matches
+#    a template is a "template edit failed" row and exit 1 (gemv_ablate.sh once built nothing for
+#    every variant and exited 0), and a template copy with a pattern broken on purpose must fail;
+#  * bench/tpot_curve.sh --fake renders its table, --append merges without a second row for a
+#    context (the 1M point runs as 1048536 tokens), and --plot-only / --append want --out.
+set -eu
+m3kit=${M3KIT_BIN:-./m3kit} # make check exports M3KIT_BIN (Makefile.am)
+fail() { echo "bench_scripts.sh: $*" >&2; exit 1; }
+top=$(cd "$(dirname "$0")/.." && pwd)
+[ -x "$m3kit" ] || fail "no m3kit binary at $m3kit (set M3KIT_BIN)"
+command -v python3 > /dev/null 2>&1 || { echo "bench_scripts.sh: no python3 (the ablation scripts edit templates with it): skipped"; exit 77; }
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+for s in indexer gemv attn; do
+  rc=0
+  sh "$top/bench/${s}_ablate.sh" --edit-only --m3kit "$m3kit" --templates "$top/templates" --out "$tmp/$s" \
+    > "$tmp/$s.log" 2>&1 || rc=$?
+  [ "$rc" = 0 ] || fail "${s}_ablate.sh --edit-only: exit $rc: $(grep -v 'template edited' "$tmp/$s.log" | head -3)"
+  n=$(grep -c 'template edited$' "$tmp/$s/ablate.tsv" || true)
+  [ "$n" -ge 4 ] || fail "${s}_ablate.sh --edit-only: $n variants edited"
+done
+
+# a template the gemv script's default-tile pattern does not match: every variant fails, exit 1
+cp -r "$top/templates" "$tmp/tpl"
+sed -i 's/pipe = 3, tpc = 1, lead = 0, lean = 0,$/pipe = 3, tpc = 1, lead = 0, lean=0,/' "$tmp/tpl/mxfp8.lua"
+! cmp -s "$tmp/tpl/mxfp8.lua" "$top/templates/mxfp8.lua" || fail "the test's template edit changed nothing (mxfp8.lua moved on)"
+rc=0
+VARIANTS=full sh "$top/bench/gemv_ablate.sh" --edit-only --m3kit "$m3kit" --templates "$tmp/tpl" --out "$tmp/bad" \
+  > "$tmp/bad.log" 2>&1 || rc=$?
+[ "$rc" = 1 ] || fail "gemv_ablate.sh with a template it cannot edit: exit $rc, want 1"
+grep -q 'template edit failed' "$tmp/bad/ablate.tsv" || fail "gemv_ablate.sh: no 'template edit failed' row"
+
+tc="sh $top/bench/tpot_curve.sh"
+$tc --fake --out "$tmp/tc" > /dev/null 2>&1 || fail "tpot_curve.sh --fake failed"
+grep -q 'FAKE DATA' "$tmp/tc/tpot_curve.md" || fail "tpot_curve.sh --fake: the table does not say FAKE"
+[ "$(grep -c '^| [0-9]' "$tmp/tc/tpot_curve.md")" = 6 ] || fail "tpot_curve.sh --fake: not 6 rows"
+$tc --fake --append --contexts 1048576,8192 --out "$tmp/tc" > /dev/null 2>&1 || fail "tpot_curve.sh --fake --append failed"
+[ "$(grep -c . "$tmp/tc/tpot_curve.dat")" = 6 ] || fail "tpot_curve.sh --append: $(grep -c . "$tmp/tc/tpot_curve.dat") rows, want 6 (a context twice?)"
+for o in --plot-only --append; do
+  rc=0; (cd "$tmp" && OUT= $tc $o > /dev/null 2>&1) || rc=$?
+  [ "$rc" = 2 ] || fail "tpot_curve.sh $o without --out: exit $rc, want 2"
+done
+echo "bench_scripts.sh: ablation edits apply (and a broken one fails); tpot_curve.sh fake/append/plot-only as expected"
