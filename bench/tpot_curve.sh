@@ -19,11 +19,14 @@
 #     --no-torch         skip the baseline;  --torch-budget S  its share (default budget/3)
 #     --m3kit PATH       default: $M3KIT, ./m3kit, .dev/m3kit, build/m3kit, then PATH
 #     --m3kit-args "A"   more arguments for m3kit run (e.g. "--chunk 2048")
-#     --out DIR          default: $OUT if set (device tool), else bench/results
+#     --out DIR          default: $OUT if set (device tool), else a new folder
+#                        bench/results/tpot-YYYYMMDD-HHMMSS (never the reference curve's files in
+#                        bench/results, which carry hand-written notes: copy a new curve there by hand)
 #     --append           keep the rows of DIR/tpot_curve.dat for contexts not rerun (curves over
-#                        several device calls)
-#     --plot-only        only rebuild .md and .png from DIR/tpot_curve.dat
-#     --fake             fill the .dat with made-up numbers (tests the table and the plot; says so)
+#                        several device calls; needs --out or $OUT)
+#     --plot-only        only rebuild .md and .png from DIR/tpot_curve.dat (needs --out or $OUT)
+#     --fake             fill the .dat with made-up numbers (tests the table and the plot; says so;
+#                        without --out or $OUT it writes under ${TMPDIR:-/tmp}/tpot-fake)
 #
 # Roofline (m3kit prints no byte count, so it is computed here from the spec, §9.2-§9.4):
 #   TPOT_roof = (W + KV(T)) / 4.28 TB/s, T = context + steps/2 (the mean decode position)
@@ -56,7 +59,7 @@ while [ $# -gt 0 ]; do
     --append) append=1 ;;
     --plot-only) plot_only=1 ;;
     --fake) fake=1 ;;
-    -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     [0-9]*) budget=$1 ;;
     *) echo "tpot_curve.sh: unknown argument $1 (--help)" >&2; exit 2 ;;
   esac
@@ -67,7 +70,12 @@ case $cache in auto|bf16|e4m3) ;; *) echo "tpot_curve.sh: --cache auto|bf16|e4m3
 [ "$steps" -ge 2 ] 2>/dev/null || { echo "tpot_curve.sh: --steps must be >= 2" >&2; exit 2; }
 t_start=$(date +%s)
 left() { echo $(( budget - ($(date +%s) - t_start) )); }
-out=${out:-$root/bench/results}
+if [ -z "$out" ]; then
+  if [ "$plot_only" = 1 ] || [ "$append" = 1 ]; then
+    echo "tpot_curve.sh: --plot-only and --append work on an earlier run's folder: give it with --out DIR" >&2; exit 2
+  fi
+  if [ "$fake" = 1 ]; then out=${TMPDIR:-/tmp}/tpot-fake; else out=$root/bench/results/tpot-$(date +%Y%m%d-%H%M%S); fi
+fi
 mkdir -p "$out/tpot-logs"
 dat=$out/tpot_curve.dat md=$out/tpot_curve.md png=$out/tpot_curve.png
 wfmt=${weights:-mxfp8}   # m3kit's default for --preset minimax-m3 (hidden >= 4096 -> MXFP8)
@@ -100,6 +108,11 @@ pick_cache() {  # context -> bf16|e4m3 for m3kit (weights + caches + 6 GB of wor
   awk -v w="$(model_bytes "$wfmt")" -v t="$(( $1 + steps ))" -v g="$gpu_bytes" \
     'BEGIN { print (w + 137472*t + 6e9 <= g) ? "bf16" : "e4m3" }'
 }
+# A context as run: prompt + generated tokens must fit max_position_embeddings
+# (1M), so the 1M point is a prompt that ends just before it (8 spare: the
+# baseline's warm-up steps, so that both run the same prompt length).  The
+# .dat's rows hold the context as run.
+as_run() { if [ $(( $1 + steps + 8 )) -gt 1048576 ]; then echo $(( 1048576 - steps - 8 )); else echo "$1"; fi; }
 fmt_ms() { [ -n "$1" ] && [ "$1" != - ] && printf '%.3f' "$1" || printf -- '-'; }
 
 # ---- the table and the plot from the .dat --------------------------------------------------------
@@ -162,12 +175,14 @@ rm -f "$out/tpot-logs/fake"
 tmp=$out/tpot-logs/new.dat
 : > "$tmp"
 if [ "$append" = 1 ] && [ -f "$dat" ]; then
-  awk -v L=",$contexts," '$1 ~ /^#/ || index(L, "," $1 ",") == 0' "$dat" > "$tmp"
+  run_list=$(for c in $contexts_sp; do printf ',%s' "$(as_run "$c")"; done)
+  awk -v L="$run_list," '$1 ~ /^#/ || index(L, "," $1 ",") == 0' "$dat" > "$tmp"
 fi
 
 if [ "$fake" = 1 ]; then
   : > "$out/tpot-logs/fake"
-  for c in $contexts_sp; do
+  for c0 in $contexts_sp; do
+    c=$(as_run "$c0")
     k=$(pick_cache "$c"); b=$([ "$k" = bf16 ] && echo 2 || echo 1)
     set -- $(roof "$wfmt" $b $b $(( c + steps / 2 ))); r=$3
     set -- $(roof bf16 $b $b $(( c + steps / 2 ))); rt=$3
@@ -189,7 +204,7 @@ if [ "$torch" = 1 ] && [ -f "$here/baseline_torch.py" ] && "$py" -c 'import torc
   if [ "$tb" -ge 30 ]; then
     echo "== torch baseline: contexts $contexts, caches $dts, at most $tb s"
     # the same prompt lengths as m3kit's: prompt + steps within max_position_embeddings (1M)
-    tctx=$(for c in $contexts_sp; do [ $(( c + steps + 8 )) -gt 1048576 ] && c=$(( 1048576 - steps - 8 )); printf '%s,' "$c"; done)
+    tctx=$(for c in $contexts_sp; do printf '%s,' "$(as_run "$c")"; done)
     timeout "$tb" "$py" "$here/baseline_torch.py" --contexts "${tctx%,}" --cache-dtype "$dts" --steps "$steps" \
       --json "$out/tpot-logs/torch.json" > "$tres" 2>&1
     echo "   rc=$? $(grep -c '^RESULT' "$tres") contexts measured ($tres)"
@@ -205,22 +220,19 @@ if [ -z "$m3kit" ]; then
   done
 fi
 [ -n "$m3kit" ] && [ -x "$m3kit" ] || { echo "tpot_curve.sh: no m3kit binary (--m3kit PATH)" >&2; exit 1; }
-run_m3() {  # context cache extra-args log -> rc (log holds the output)
+run_m3() {  # context (as run) cache extra-args log -> rc (log holds the output); sets c, k, x, log (sh has no locals)
   c=$1 k=$2 x=$3 log=$4
   t=$(( $(left) - 10 ))
   [ "$t" -lt 30 ] && { echo "skipped: budget spent" > "$log"; return 124; }
   kv=; [ "$k" = e4m3 ] && kv="--kv-dtype e4m3 --index-dtype e4m3"
-  # prompt + generated tokens must fit max_position_embeddings (1M): the 1M
-  # point is a prompt that ends just before it (8 spare: the baseline's
-  # warm-up steps, so that both run the same prompt length).
-  [ $(( c + steps + 8 )) -gt 1048576 ] && c=$(( 1048576 - steps - 8 ))
   # shellcheck disable=SC2086
   echo "\$ $m3kit run --preset minimax-m3 --resident-experts 8 --max-new-tokens $steps --context $c $kv${weights:+ --weights $weights} $x $m3args" > "$log"
   # shellcheck disable=SC2086
   timeout "$t" "$m3kit" run --preset minimax-m3 --resident-experts 8 --max-new-tokens "$steps" --context "$c" \
     $kv ${weights:+--weights $weights} $x $m3args >> "$log" 2>&1
 }
-for c in $contexts_sp; do
+for c0 in $contexts_sp; do
+  c=$(as_run "$c0")
   k=$(pick_cache "$c")
   log=$out/tpot-logs/m3kit-$c.log
   echo "== m3kit run --context $c ($k caches), $(left) s left"
