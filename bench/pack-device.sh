@@ -7,10 +7,12 @@ set -eu
 cd "$(dirname "$0")/.."
 b=${1:-build}
 mkdir -p .dev
-cp "$b/m3kit" .dev/
-# The GPU tests are check programs, built by `make check` only: build them
-# here (without running them) so that a device session never finds none.
+# m3kit and the GPU tests (check programs, built by `make check` only) are
+# built first, without running any test: a copy of a build older than the
+# sources would run old kernels (the templates are embedded) on the GPU.
+make -C "$b" -s > /dev/null
 make -C "$b" -s check TESTS= > /dev/null
+cp "$b/m3kit" .dev/
 n=0
 for t in "$b"/tests/check_*_gpu; do
   [ -x "$t" ] && cp "$t" .dev/ && n=$((n + 1))
