@@ -1452,13 +1452,20 @@ void m3_tunedb_print(const m3_tunedb *db, FILE *out) {
     if (!p || strcmp(p->key, r->key) || strcmp(p->arch, r->arch)) fprintf(out, "%s (%s)\n", r->key, r->arch);
     char b[M3_BUCKET_STR_MAX], du[32], tu[32], sp[32], met[64], pc[32];
     m3_bucket_format(&r->bucket, b, sizeof b);
+    /* A tile pinned without being timed (tools/seed_pin.py --untimed) keeps the
+     * times of the candidate it replaced: they are not this tile's. */
+    int untimed = r->pinned && r->n_candidates > 0;
+    for (size_t c = 0; untimed && c < r->n_candidates; c++)
+      if (r->candidates[c].tile && !strcmp(r->candidates[c].tile, r->tile)) untimed = 0;
     fmt_us(du, sizeof du, r->default_us);
-    fmt_us(tu, sizeof tu, r->tuned_us);
-    if (isfinite(r->default_us) && isfinite(r->tuned_us) && r->tuned_us > 0)
+    fmt_us(tu, sizeof tu, untimed ? NAN : r->tuned_us);
+    if (!untimed && isfinite(r->default_us) && isfinite(r->tuned_us) && r->tuned_us > 0)
       snprintf(sp, sizeof sp, "%.2fx", r->default_us / r->tuned_us);
     else
       snprintf(sp, sizeof sp, "-");
-    if (r->metric.unit && isfinite(r->metric.achieved))
+    if (untimed)
+      snprintf(met, sizeof met, "untimed (pinned)");
+    else if (r->metric.unit && isfinite(r->metric.achieved))
       snprintf(met, sizeof met, "%.1f %s (%.0f%% of %.0f)", r->metric.achieved, r->metric.unit,
                r->metric.pct_of_ceiling, r->metric.ceiling);
     else
@@ -1474,13 +1481,22 @@ void m3_tunedb_print(const m3_tunedb *db, FILE *out) {
             same ? "" : ")");
   }
   fprintf(out, "%zu records\n", db->n);
-  /* Why a pinned record's tile is not the tuner's pick (cache/tunedb.h). */
+  /* Why a pinned record's tile is not the tuner's pick (cache/tunedb.h): each
+   * reason once (one A/B usually pins a whole family), then its records. */
   for (size_t i = 0; i < db->n; i++) {
-    const m3_tune_record *r = &db->v[i].r;
-    if (!r->pinned) continue;
-    char b[M3_BUCKET_STR_MAX];
-    m3_bucket_format(&r->bucket, b, sizeof b);
-    fprintf(out, "pinned: %s %s [%s]: %s\n", r->key, b, r->tile, r->pinned);
+    const char *why = db->v[i].r.pinned;
+    int first = 1;
+    for (size_t j = 0; why && j < i && first; j++)
+      if (db->v[j].r.pinned && !strcmp(db->v[j].r.pinned, why)) first = 0;
+    if (!why || !first) continue;
+    fprintf(out, "pinned: %s\n", why);
+    for (size_t j = i; j < db->n; j++) {
+      const m3_tune_record *r = &db->v[j].r;
+      if (!r->pinned || strcmp(r->pinned, why)) continue;
+      char b[M3_BUCKET_STR_MAX];
+      m3_bucket_format(&r->bucket, b, sizeof b);
+      fprintf(out, "  %s %s [%s]\n", r->key, b, r->tile);
+    }
   }
 }
 

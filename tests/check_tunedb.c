@@ -1085,6 +1085,32 @@ START_TEST(print_and_plot) {
   ck_assert_ptr_nonnull(strstr(buf, "1/3"));     /* passed/all */
   ck_assert_ptr_nonnull(strstr(buf, "INCORRECT"));
   ck_assert_ptr_nonnull(strstr(buf, "2 records"));
+  ck_assert_ptr_null(strstr(buf, "untimed"));
+  free(buf);
+
+  /* Two tiles pinned by one A/B, neither among the timed candidates: no times
+   * of the candidate they replaced, and the reason printed once. */
+  const char *why = "an A/B of the whole step chose it";
+  m3_tunedb *pdb = m3_tunedb_new();
+  for (int i = 0; i < 2; i++) {
+    recbuf pb;
+    fill(&pb, "attn_dense(mode=decode)", i ? "tokens=8" : "tokens=1", "warps=8,tok=1");
+    pb.r.tile = "warps=8,tok=9"; /* the candidates are warps=8,tok=1 and others */
+    pb.r.pinned = why;
+    put_ok(pdb, &pb.r);
+  }
+  f = open_memstream(&buf, &len);
+  m3_tunedb_print(pdb, f);
+  fclose(f);
+  m3_tunedb_free(pdb);
+  const char *row = strstr(buf, "\n  tokens=8 ");
+  ck_assert_ptr_nonnull(row);
+  ck_assert_ptr_nonnull(strstr(row, "untimed (pinned)"));
+  ck_assert_ptr_null(strstr(buf, "12.25")); /* not the replaced candidate's time */
+  const char *p1 = strstr(buf, why);
+  ck_assert_ptr_nonnull(p1);
+  ck_assert_ptr_null(strstr(p1 + 1, why));
+  ck_assert_ptr_nonnull(strstr(p1, "\n  attn_dense(mode=decode) tokens=8 [warps=8,tok=9]\n"));
   free(buf);
 
   char *dir = tmpdir(), sub[600], dat[1200];
