@@ -122,12 +122,16 @@ if has tune; then
   # The later steps run with the first (longer) tune's DB.
   mkdir -p "$M3KIT_CACHE_DIR/tuning" && cp "$OUT"/tuning-1/*.json "$M3KIT_CACHE_DIR/tuning/" 2>/dev/null
 fi
+# The report is named after the card (h200.md, h100.md, ...): sessions that got
+# an H100 once wrote it as h200.md.
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | sed -nE 's/.*\b([A-Z][0-9]{2,4}[A-Z]?)\b.*/\1/p' | tr 'A-Z' 'a-z')
+card=${card:-gpu}
 if has bench; then
-  timeout "${T_BENCH:-240}" ./m3kit bench ${BENCH_ONLY:+--only $BENCH_ONLY} --out "$OUT/h200.md" > "$L/bench.log" 2>&1
+  timeout "${T_BENCH:-240}" ./m3kit bench ${BENCH_ONLY:+--only $BENCH_ONLY} --out "$OUT/$card.md" > "$L/bench.log" 2>&1
   log "bench rc=$? at $(elapsed) s"
 fi
 if has bench-insert; then
-  timeout "${T_BENCH:-240}" ./m3kit bench --only insert,qknorm_rope --out "$OUT/h200-insert-qknorm.md" > "$L/bench-insert.log" 2>&1
+  timeout "${T_BENCH:-240}" ./m3kit bench --only insert,qknorm_rope --out "$OUT/$card-insert-qknorm.md" > "$L/bench-insert.log" 2>&1
   log "bench insert,qknorm_rope rc=$? at $(elapsed) s"
 fi
 if has run; then

@@ -9,10 +9,17 @@
 #include "runtime/check.h"
 #include "runtime/harness.h"
 
+static int cases_matched;
+
 int m3_bench_case_wanted(const char *name) {
   const char *f = getenv("M3KIT_BENCH_CASE");
-  return !f || !*f || (name && strstr(name, f));
+  if (!f || !*f) return 1;
+  const int hit = name && strstr(name, f);
+  if (hit) __atomic_fetch_add(&cases_matched, 1, __ATOMIC_RELAXED);
+  return hit;
 }
+
+int m3_bench_cases_matched(void) { return __atomic_load_n(&cases_matched, __ATOMIC_RELAXED); }
 
 m3_status m3_bench_gemm_ceiling(m3_rt *rt, double *tflops, m3_err *e) {
   const int n = 8192;

@@ -23,6 +23,9 @@ typedef struct m3_bench_entry { const char *name; m3_bench_fn fn; } m3_bench_ent
 /* 1 when the case named `name` should run: M3KIT_BENCH_CASE unset or empty,
  * or a substring of `name` (so a profiler such as ncu sees one case only). */
 int m3_bench_case_wanted(const char *name);
+/* How many m3_bench_case_wanted calls so far matched a set M3KIT_BENCH_CASE
+ * (0 while it is unset): a filter that selected nothing is an error. */
+int m3_bench_cases_matched(void);
 
 /* cuBLAS bf16 GEMM 8192^3 TFLOP/s (runtime/gemm.c when present). */
 m3_status m3_bench_gemm_ceiling(m3_rt *rt, double *tflops, m3_err *e);

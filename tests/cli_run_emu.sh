@@ -4,7 +4,9 @@
 # model's nearly flat logits gives the two sequences of a batch different
 # first tokens.  Each sequence is prefilled on its own and sampled as row 0;
 # keyed alike, both once drew the same uniform (tools/cmd_run.c prefill_step):
-# the same first token for every seed.
+# the same first token for every seed.  Also `m3kit bench` there: a
+# M3KIT_BENCH_CASE that matches no case is exit 1 with a message (it used to
+# be an empty report and exit 0), and each section has one heading.
 set -eu
 emu=${M3KIT_EMU_BIN:-./tests/emu_m3kit} # make check exports M3KIT_EMU_BIN (Makefile.am)
 fail() { echo "cli_run_emu.sh: $*" >&2; exit 1; }
@@ -19,3 +21,13 @@ t1=$(printf '%s\n' "$out" | sed -n 's/^sequence 1: //p')
 [ -n "$t0" ] && [ -n "$t1" ] || fail "no tokens printed: $out"
 [ "$t0" != "$t1" ] || fail "both sequences drew the same first token ($t0): one random draw shared"
 echo "cli_run_emu.sh: first tokens $t0 and $t1 at temperature 1, seed 1"
+
+rep=$(mktemp)
+trap 'rm -f "$rep"' EXIT
+rc=0
+M3KIT_BENCH_CASE="no such case" "$emu" bench --only insert,indexer --out "$rep" > "$rep.err" 2>&1 || rc=$?
+err=$(cat "$rep.err"); rm -f "$rep.err"
+[ "$rc" = 1 ] || fail "bench with a case filter that matches nothing: exit $rc, want 1: $err"
+printf '%s\n' "$err" | grep -q 'matched no case' || fail "bench: no 'matched no case' message: $err"
+[ "$(grep -ci '^## .*indexer' "$rep")" = 1 ] || fail "bench: the indexer section's heading is not there once: $(grep '^## ' "$rep")"
+echo "cli_run_emu.sh: bench refuses a case filter that matches nothing"

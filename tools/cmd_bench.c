@@ -1,6 +1,6 @@
 /* cmd_bench.c - `m3kit bench`: every kernel against the ceilings measured in
  * the same run (device-to-device copy; cuBLAS bf16 GEMM), written as a
- * markdown table (default bench/results/<gpu>.md) with, per row, the command,
+ * markdown report (standard output, or --out FILE) with, per row, the command,
  * the shape, median/p20/p80, the bytes or FLOPs counted and the fraction of
  * the ceiling.  Kernel families contribute through bench functions that share
  * the tests' case tables and the tuner's adapters. */
@@ -23,13 +23,21 @@
 #include "bench/cases_insert.h"
 
 static void help(void) {
-  printf("usage: m3kit bench [--out FILE] [--only NAME] [--preset NAME]\n\n"
-         "Measures the copy ceiling, then every kernel family's benchmark cases (median/p20/p80 of\n"
-         "event-timed launches over rotating buffers larger than L2), and writes a markdown report.\n"
+  printf("usage: m3kit bench [--out FILE] [--only LIST] [--preset NAME]\n\n"
+         "Measures the copy ceiling (and, for the attention family, the cuBLAS bf16 GEMM ceiling),\n"
+         "then every kernel family's benchmark cases (median/p20/p80 of event-timed launches over\n"
+         "rotating buffers larger than L2), and writes a markdown report with each row's share of\n"
+         "the ceiling.  The copy ceiling counts read + write; a kernel that mostly reads can pass 100%%.\n"
+         "Tiles come from the tuning DB (m3kit tune), else the defaults.\n"
          "  --out FILE     report path (default: standard output)\n"
          "  --only LIST    families, comma separated: qknorm_rope, insert, indexer, attention, ffn\n"
-         "  --preset NAME  the config whose kernels are measured (default minimax-m3)\n"
-         "Environment: M3KIT_BENCH_CASE=TEXT runs only the cases whose name contains TEXT (for a profiler).\n");
+         "                 (the bench's own grouping; m3kit tune --help lists the kernel families)\n"
+         "  --preset NAME  the config whose qknorm_rope variants are measured (default minimax-m3);\n"
+         "                 the other families' cases are minimax-m3's shapes (bench/cases_*.c)\n"
+         "Environment: M3KIT_BENCH_CASE=TEXT runs only the cases whose name contains TEXT (for a\n"
+         "profiler); one that matches no case is an error (exit 1).  Case names: qknorm_rope\n"
+         "\"AXES tokens=N\" (as in its table), insert \"insert bf16|e4m3 tokens=N\", indexer \"batch 1,\n"
+         "131072 bf16\", attention and ffn the row's case text.\n");
 }
 
 /* qk-norm + RoPE (+ insert): every variant of the preset at the tuner's
@@ -83,17 +91,20 @@ static m3_status bench_qknorm(m3_rt *rt, const m3_bench_ctx *bc, FILE *out, m3_e
 }
 
 /* Every family reports against the ceilings measured in this run (bc). */
+/* The indexer and attention cases print their own section headings. */
 static m3_status bench_indexer(m3_rt *rt, const m3_bench_ctx *bc, FILE *out, m3_err *e) {
-  fprintf(out, "\n## Lightning indexer\n\n");
   return m3_bench_indexer(rt, bc->copy_gbs, out, e);
 }
 static m3_status bench_attention(m3_rt *rt, const m3_bench_ctx *bc, FILE *out, m3_err *e) {
-  fprintf(out, "\n## Attention\n\n");
   return m3_bench_attention(rt, bc->copy_gbs, bc->gemm_tflops, out, e);
 }
+/* The ffn cases write aligned text lines (which bench/gemv_ablate.sh parses),
+ * so they go in a code block: markdown would join them into one paragraph. */
 static m3_status bench_ffn(m3_rt *rt, const m3_bench_ctx *bc, FILE *out, m3_err *e) {
-  fprintf(out, "\n## Norms, MoE, MXFP8 and bf16 GEMV\n\n");
-  return m3_bench_ffn(rt, bc->copy_gbs, out, e);
+  fprintf(out, "\n## Norms, MoE, MXFP8 and bf16 GEMV\n\n```\n");
+  m3_status s = m3_bench_ffn(rt, bc->copy_gbs, out, e);
+  fprintf(out, "```\n");
+  return s;
 }
 
 static m3_status bench_insert(m3_rt *rt, const m3_bench_ctx *bc, FILE *out, m3_err *e) {
@@ -148,9 +159,13 @@ int cmd_bench(int argc, char **argv) {
   m3_status s = m3_rt_open(&rt, 0, &e);
   if (s) return cli_fail("bench", s, &e);
   m3_bench_ctx bc = {.preset = preset};
+  fprintf(stderr, "m3kit bench: measuring the copy ceiling (2 GiB device-to-device)...\n");
   if ((s = m3_measure_copy_gbs(&rt, &bc.copy_gbs, &e))) return cli_fail("bench", s, &e);
-  bc.gemm_tflops = 0;
-  m3_bench_gemm_ceiling(&rt, &bc.gemm_tflops, &e);
+  bc.gemm_tflops = 0; /* only the attention's prefill rows are put against it */
+  if (!only || m3_tune_name_in_list(only, "attention")) {
+    fprintf(stderr, "m3kit bench: measuring the cuBLAS bf16 GEMM ceiling (8192^3)...\n");
+    m3_bench_gemm_ceiling(&rt, &bc.gemm_tflops, &e);
+  }
   FILE *out = stdout;
   if (outp && !(out = fopen(outp, "w"))) {
     fprintf(stderr, "m3kit bench: cannot write %s\n", outp);
@@ -160,10 +175,13 @@ int cmd_bench(int argc, char **argv) {
   for (int i = 0; i < argc; i++) snprintf(cmd + strlen(cmd), sizeof cmd - strlen(cmd), " %s", argv[i]);
   char date[40];
   m3_tunedb_now_iso(date, sizeof date);
+  char gemm[64] = "not measured (no attention rows)";
+  if (bc.gemm_tflops > 0) snprintf(gemm, sizeof gemm, "%.0f TFLOP/s", bc.gemm_tflops);
   fprintf(out, "# m3kit bench on %s (%s, %d SMs), %s\n\nCommand: `%s`\n\nCeilings measured in this run: "
-               "device-to-device copy %.0f GB/s (read + write); cuBLAS bf16 GEMM 8192^3 %.0f TFLOP/s.\n"
+               "device-to-device copy %.0f GB/s (read + write: a kernel that mostly reads can pass 100%%); "
+               "cuBLAS bf16 GEMM 8192^3 %s.\n"
                "Times are CUDA-event medians (p20, p80) over rotating input sets larger than L2.\n",
-          rt.dev.name, rt.dev.arch, rt.dev.sm_count, date, cmd, bc.copy_gbs, bc.gemm_tflops);
+          rt.dev.name, rt.dev.arch, rt.dev.sm_count, date, cmd, bc.copy_gbs, gemm);
   int rc = 0;
   for (size_t i = 0; i < sizeof entries / sizeof *entries; i++) {
     if (!entries[i].name || (only && !m3_tune_name_in_list(only, entries[i].name))) continue;
@@ -172,6 +190,13 @@ int cmd_bench(int argc, char **argv) {
       fprintf(out, "\n**%s failed: %s**\n", entries[i].name, e.msg);
       rc = cli_fail("bench", s, &e);
     }
+  }
+  const char *filt = getenv("M3KIT_BENCH_CASE");
+  if (filt && *filt && m3_bench_cases_matched() == 0) {
+    fprintf(out, "\n**M3KIT_BENCH_CASE=\"%s\" matched no case: nothing was measured.**\n", filt);
+    fprintf(stderr, "m3kit bench: M3KIT_BENCH_CASE=\"%s\" matched no case of %s: nothing was measured (m3kit bench --help)\n",
+            filt, only ? only : "any family");
+    if (!rc) rc = 1;
   }
   if (out != stdout) fclose(out);
   m3_rt_close(&rt);
