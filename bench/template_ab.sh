@@ -8,12 +8,17 @@
 # cut runs the default tile in that arm: ab.md says how many were tuned.
 #
 #   sh template_ab.sh --family qknorm_rope --shapes tokens=8192 --bench qknorm_rope \
-#     --case tokens=8192 --budget 150 --rounds 2 --out DIR old=tpl-old new=-
+#     --case tokens=8192 --budget 150 --rounds 2 --out DIR [--m3kit PATH] old=tpl-old new=-
+#
+# --family: the tune's kernel family (m3kit tune --help); --bench: the bench's
+# (m3kit bench --help); --case: M3KIT_BENCH_CASE for the bench; --m3kit: the
+# binary (default ./m3kit, as in .dev/ on the GPU machine).  A GPU is needed.
 #
 # Writes DIR/NAME-tune.log, DIR/NAME-ROUND.md and .log (the bench's), and
 # DIR/ab.md (a summary: each arm's mean time a row and its ratio to the first arm; then each
 # round's tables, arm after arm, with every exit status).
-# Exit status 1 if any tune or bench failed (ab.md is written all the same).
+# Exit status 1 if any tune or bench failed (ab.md is written all the same),
+# 2 for bad options, no m3kit binary or no GPU (nothing run).
 set -u
 fam= shapes= bench= case= budget=120 rounds=2 out= m3kit=./m3kit
 while [ $# -gt 0 ]; do
@@ -26,7 +31,7 @@ while [ $# -gt 0 ]; do
     --rounds) rounds=$2; shift 2;;
     --out) out=$2; shift 2;;
     --m3kit) m3kit=$2; shift 2;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0;;
+    -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0;;
     --*) echo "template_ab.sh: unknown option $1" >&2; exit 2;;
     *) break;;
   esac
@@ -40,6 +45,10 @@ for a in "$@"; do
   d=${a#*=}
   [ "$d" = - ] || [ -f "$d/$fam.lua" ] || { echo "template_ab.sh: $d/$fam.lua not found (arm ${a%%=*})" >&2; exit 2; }
 done
+case $m3kit in */*) ;; *) m3kit=./$m3kit;; esac
+[ -x "$m3kit" ] || { echo "template_ab.sh: no m3kit binary at $m3kit (--m3kit PATH)" >&2; exit 2; }
+command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L > /dev/null 2>&1 ||
+  { echo "template_ab.sh: no GPU here (nvidia-smi -L): an A/B needs one" >&2; exit 2; }
 mkdir -p "$out" || exit 2
 base=$(mktemp -d "${TMPDIR:-/tmp}/template-ab.XXXXXX") || exit 2
 trap 'rm -rf "$base"' EXIT

@@ -5,7 +5,9 @@
 #    a template is a "template edit failed" row and exit 1 (gemv_ablate.sh once built nothing for
 #    every variant and exited 0), and a template copy with a pattern broken on purpose must fail;
 #  * bench/tpot_curve.sh --fake renders its table, --append merges without a second row for a
-#    context (the 1M point runs as 1048536 tokens), and --plot-only / --append want --out.
+#    context (the 1M point runs as 1048536 tokens), and --plot-only / --append want --out;
+#  * bench/template_ab.sh stops with exit 2 before it makes anything when it has no m3kit binary,
+#    or (on a machine without one) no GPU: it used to run every step into rc 127 and write an empty ab.md.
 set -eu
 m3kit=${M3KIT_BIN:-./m3kit} # make check exports M3KIT_BIN (Makefile.am)
 fail() { echo "bench_scripts.sh: $*" >&2; exit 1; }
@@ -44,4 +46,11 @@ for o in --plot-only --append; do
   rc=0; (cd "$tmp" && OUT= $tc $o > /dev/null 2>&1) || rc=$?
   [ "$rc" = 2 ] || fail "tpot_curve.sh $o without --out: exit $rc, want 2"
 done
-echo "bench_scripts.sh: ablation edits apply (and a broken one fails); tpot_curve.sh fake/append/plot-only as expected"
+ab="sh $top/bench/template_ab.sh --family qknorm_rope --bench qknorm_rope"
+rc=0; (cd "$tmp" && $ab --out "$tmp/ab1" a=- > /dev/null 2>&1) || rc=$?
+[ "$rc" = 2 ] && [ ! -e "$tmp/ab1" ] || fail "template_ab.sh without ./m3kit: exit $rc (want 2), or it made $tmp/ab1"
+if ! nvidia-smi -L > /dev/null 2>&1; then
+  rc=0; $ab --m3kit "$m3kit" --out "$tmp/ab2" a=- > /dev/null 2>&1 || rc=$?
+  [ "$rc" = 2 ] && [ ! -e "$tmp/ab2" ] || fail "template_ab.sh without a GPU: exit $rc (want 2), or it made $tmp/ab2"
+fi
+echo "bench_scripts.sh: ablation edits apply (and a broken one fails); tpot_curve.sh fake/append/plot-only and template_ab.sh's refusals as expected"
