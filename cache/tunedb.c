@@ -1444,8 +1444,9 @@ void m3_tunedb_print(const m3_tunedb *db, FILE *out) {
     int l = m3_bucket_format(&db->v[i].r.bucket, b, sizeof b);
     if (l > wb) wb = l;
   }
-  fprintf(out, "key (arch)\n  %-*s  %10s  %10s  %7s  %-28s  %-8s  %-11s  %s\n", wb, "bucket", "default_us", "tuned_us",
-          "speedup", "metric", "pass/all", "src", "tile (default)");
+  fprintf(out, "src: file = this DB, seed = the seed DB under it, new = tuned in this run; gpu: the card that timed it\n");
+  fprintf(out, "key (arch)\n  %-*s  %10s  %10s  %7s  %-28s  %-8s  %-11s  %-12s  %s\n", wb, "bucket", "default_us", "tuned_us",
+          "speedup", "metric", "pass/all", "src", "gpu", "tile (default)");
   for (size_t i = 0; i < db->n; i++) {
     const m3_tune_record *r = &db->v[i].r;
     const m3_tune_record *p = i ? &db->v[i - 1].r : NULL;
@@ -1476,7 +1477,9 @@ void m3_tunedb_print(const m3_tunedb *db, FILE *out) {
     char src[32];
     snprintf(src, sizeof src, "%s%s", origin_name(db->v[i].origin), r->pinned ? ",pinned" : "");
     const int same = r->default_tile && !strcmp(r->default_tile, r->tile);
-    fprintf(out, "  %-*s  %10s  %10s  %7s  %-28s  %-8s  %-11s  %s%s%s%s\n", wb, b, du, tu, sp, met, pc, src, r->tile,
+    const char *gpu = r->prov.gpu ? r->prov.gpu : "?";
+    if (!strncmp(gpu, "NVIDIA ", 7)) gpu += 7;
+    fprintf(out, "  %-*s  %10s  %10s  %7s  %-28s  %-8s  %-11s  %-12.12s  %s%s%s%s\n", wb, b, du, tu, sp, met, pc, src, gpu, r->tile,
             same ? " (= default)" : " (", same ? "" : r->default_tile ? r->default_tile : "no default",
             same ? "" : ")");
   }
