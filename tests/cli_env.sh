@@ -6,7 +6,8 @@
 # tp-plan refuse --resident-experts below top-k before the no-GPU branch;
 # --prompt-ids are bare digits with no trailing comma; a --tp the model cannot
 # be cut into is an option error (exit 2); make-checkpoint refuses an --out
-# that holds a config.json; run with no GPU builds the tuning DB's tiles too.
+# that holds a config.json; run with no GPU builds the tuning DB's tiles too;
+# getopt errors say "m3kit CMD:".
 set -eu
 m3kit=${M3KIT_BIN:-./m3kit} # make check exports M3KIT_BIN (Makefile.am)
 fail() { echo "cli_env.sh: $*" >&2; exit 1; }
@@ -81,3 +82,11 @@ rc=0
 "$m3kit" run --tp 4 > /dev/null 2>&1 || rc=$? # the embedded tiny model splits over 2 ranks at most
 [ "$rc" = 2 ] || fail "run --tp 4 on the tiny model: exit $rc, want 2 (an option error)"
 echo "cli_env.sh: flags, non-files, --resident-experts, --prompt-ids and --tp checks as expected"
+
+# getopt's own errors name the command as the user typed it ("m3kit tune: ..."; they said "tune: ...")
+for c in tune bench run gen; do
+  rc=0; out=$("$m3kit" "$c" --no-such-option 2>&1) || rc=$?
+  [ "$rc" = 2 ] || fail "$c --no-such-option: exit $rc, want 2"
+  printf '%s\n' "$out" | head -n 1 | grep -q "^m3kit $c: unrecognized option" || fail "$c --no-such-option: $(printf '%s\n' "$out" | head -n 1)"
+done
+echo "cli_env.sh: option errors name the command"

@@ -80,7 +80,13 @@ int main(int argc, char **argv) {
     return 2;
   }
   for (size_t i = 0; i < sizeof commands / sizeof *commands; i++)
-    if (!strcmp(argv[1], commands[i].name)) return commands[i].fn(argc - 1, argv + 1);
+    if (!strcmp(argv[1], commands[i].name)) {
+      /* getopt names argv[0] in its errors: "m3kit tune: unrecognized option". */
+      static char prog[64];
+      snprintf(prog, sizeof prog, "m3kit %s", commands[i].name);
+      argv[1] = prog;
+      return commands[i].fn(argc - 1, argv + 1);
+    }
   fprintf(stderr, "m3kit: unknown command '%s'\n\n", argv[1]);
   usage(stderr);
   return 2;
