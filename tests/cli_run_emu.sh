@@ -6,7 +6,8 @@
 # keyed alike, both once drew the same uniform (tools/cmd_run.c prefill_step):
 # the same first token for every seed.  Also `m3kit bench` there: a
 # M3KIT_BENCH_CASE that matches no case is exit 1 with a message (it used to
-# be an empty report and exit 0), and each section has one heading.
+# be an empty report and exit 0), and each section has one heading; `m3kit tune`
+# there records the command as typed.
 set -eu
 emu=${M3KIT_EMU_BIN:-./tests/emu_m3kit} # make check exports M3KIT_EMU_BIN (Makefile.am)
 fail() { echo "cli_run_emu.sh: $*" >&2; exit 1; }
@@ -30,4 +31,13 @@ err=$(cat "$rep.err"); rm -f "$rep.err"
 [ "$rc" = 1 ] || fail "bench with a case filter that matches nothing: exit $rc, want 1: $err"
 printf '%s\n' "$err" | grep -q 'matched no case' || fail "bench: no 'matched no case' message: $err"
 [ "$(grep -ci '^## .*indexer' "$rep")" = 1 ] || fail "bench: the indexer section's heading is not there once: $(grep '^## ' "$rep")"
+grep -q '^Command: `m3kit bench --only insert,indexer --out ' "$rep" || fail "bench: the report's command line: $(grep '^Command' "$rep")"
 echo "cli_run_emu.sh: bench refuses a case filter that matches nothing"
+
+# The command a tuning record keeps is the one typed (it once read "m3kit m3kit tune ..."): the tiny preset, one shape.
+c=$(mktemp -d)
+M3KIT_CACHE_DIR=$c "$emu" tune --preset tiny --only embed --shapes tokens=1 > "$c/log" 2>&1 || { cat "$c/log" >&2; rm -rf "$c"; fail "tune on the emulator failed"; }
+grep -q '"command": "m3kit tune --preset tiny --only embed --shapes tokens=1"' "$c"/tuning/*.json ||
+  { grep -h '"command"' "$c"/tuning/*.json >&2; rm -rf "$c"; fail "the tuning record's command is not the one typed"; }
+rm -rf "$c"
+echo "cli_run_emu.sh: a tuning record keeps the command as typed"
