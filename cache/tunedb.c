@@ -1444,8 +1444,10 @@ void m3_tunedb_print(const m3_tunedb *db, FILE *out) {
     int l = m3_bucket_format(&db->v[i].r.bucket, b, sizeof b);
     if (l > wb) wb = l;
   }
-  fprintf(out, "src: file = this DB, seed = the seed DB under it, new = tuned in this run; gpu: the card that timed it\n");
-  fprintf(out, "key (arch)\n  %-*s  %10s  %10s  %7s  %-28s  %-8s  %-11s  %-12s  %s\n", wb, "bucket", "default_us", "tuned_us",
+  fprintf(out, "src: file = this DB, seed = the seed DB under it, new = added in this process; untimed = a tile pinned\n"
+               "without being a timed candidate (a lead-in: tools/seed_pin.py --untimed), shown with the times of the\n"
+               "candidate it replaced, which has the same kernel body.  gpu: the card that timed the record.\n");
+  fprintf(out, "key (arch)\n  %-*s  %10s  %10s  %7s  %-28s  %-9s  %-20s  %-6s  %s\n", wb, "bucket", "default_us", "tuned_us",
           "speedup", "metric", "pass/all", "src", "gpu", "tile (default)");
   for (size_t i = 0; i < db->n; i++) {
     const m3_tune_record *r = &db->v[i].r;
@@ -1453,20 +1455,19 @@ void m3_tunedb_print(const m3_tunedb *db, FILE *out) {
     if (!p || strcmp(p->key, r->key) || strcmp(p->arch, r->arch)) fprintf(out, "%s (%s)\n", r->key, r->arch);
     char b[M3_BUCKET_STR_MAX], du[32], tu[32], sp[32], met[64], pc[32];
     m3_bucket_format(&r->bucket, b, sizeof b);
-    /* A tile pinned without being timed (tools/seed_pin.py --untimed) keeps the
-     * times of the candidate it replaced: they are not this tile's. */
+    /* A tile pinned without being timed (tools/seed_pin.py --untimed: a
+     * lead-in, the same body as the candidate it replaced) keeps that
+     * candidate's times; src says so. */
     int untimed = r->pinned && r->n_candidates > 0;
     for (size_t c = 0; untimed && c < r->n_candidates; c++)
       if (r->candidates[c].tile && !strcmp(r->candidates[c].tile, r->tile)) untimed = 0;
     fmt_us(du, sizeof du, r->default_us);
-    fmt_us(tu, sizeof tu, untimed ? NAN : r->tuned_us);
-    if (!untimed && isfinite(r->default_us) && isfinite(r->tuned_us) && r->tuned_us > 0)
+    fmt_us(tu, sizeof tu, r->tuned_us);
+    if (isfinite(r->default_us) && isfinite(r->tuned_us) && r->tuned_us > 0)
       snprintf(sp, sizeof sp, "%.2fx", r->default_us / r->tuned_us);
     else
       snprintf(sp, sizeof sp, "-");
-    if (untimed)
-      snprintf(met, sizeof met, "untimed (pinned)");
-    else if (r->metric.unit && isfinite(r->metric.achieved))
+    if (r->metric.unit && isfinite(r->metric.achieved))
       snprintf(met, sizeof met, "%.1f %s (%.0f%% of %.0f)", r->metric.achieved, r->metric.unit,
                r->metric.pct_of_ceiling, r->metric.ceiling);
     else
@@ -1475,11 +1476,16 @@ void m3_tunedb_print(const m3_tunedb *db, FILE *out) {
     for (size_t c = 0; c < r->n_candidates; c++) passed += r->candidates[c].disposition == M3_DISP_PASSED;
     snprintf(pc, sizeof pc, "%zu/%zu", passed, r->n_candidates);
     char src[32];
-    snprintf(src, sizeof src, "%s%s", origin_name(db->v[i].origin), r->pinned ? ",pinned" : "");
+    snprintf(src, sizeof src, "%s%s", origin_name(db->v[i].origin),
+             untimed ? ",pinned,untimed" : r->pinned ? ",pinned" : "");
     const int same = r->default_tile && !strcmp(r->default_tile, r->tile);
+    /* the model only: "NVIDIA H100 80GB HBM3" -> "H100" */
     const char *gpu = r->prov.gpu ? r->prov.gpu : "?";
     if (!strncmp(gpu, "NVIDIA ", 7)) gpu += 7;
-    fprintf(out, "  %-*s  %10s  %10s  %7s  %-28s  %-8s  %-11s  %-12.12s  %s%s%s%s\n", wb, b, du, tu, sp, met, pc, src, gpu, r->tile,
+    if (!strncmp(gpu, "GeForce ", 8)) gpu += 8;
+    const int gl = (int)strcspn(gpu, " ");
+    fprintf(out, "  %-*s  %10s  %10s  %7s  %-28s  %-9s  %-20s  %-6.*s  %s%s%s%s\n", wb, b, du, tu, sp, met, pc, src, gl, gpu,
+            r->tile,
             same ? " (= default)" : " (", same ? "" : r->default_tile ? r->default_tile : "no default",
             same ? "" : ")");
   }
