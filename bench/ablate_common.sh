@@ -18,7 +18,14 @@ done
 
 # A tile as a Lua table literal: warps=8,cvt=alu -> warps = 8, cvt = "alu"
 lua_tile() { echo "$1" | tr ',' '\n' | sed -E 's/^([a-z]+)=([0-9]+)$/\1 = \2/; s/^([a-z]+)=([a-z0-9]+)$/\1 = "\2"/' | paste -sd, - | sed 's/,/, /g'; }
-command -v "$m3kit" > /dev/null 2>&1 || { echo "$me: no m3kit at $m3kit (give it with --m3kit PATH)" >&2; exit 2; }
+[ "$dry" = 2 ] || command -v "$m3kit" > /dev/null 2>&1 || { echo "$me: no m3kit at $m3kit (give it with --m3kit PATH)" >&2; exit 2; }
+# check_variants KNOWN: every name in $variants is one of KNOWN, before anything
+# runs (inside the sweep's pipeline an exit would only end a subshell).
+check_variants() {
+  for v in $variants; do
+    case " $1 " in *" $v "*) ;; *) echo "$me: unknown variant $v (known: $1)" >&2; exit 2;; esac
+  done
+}
 
 # A variant whose template edit failed (the template moved on and the script's
 # pattern no longer matches) is a row saying so in ablate.tsv and makes the

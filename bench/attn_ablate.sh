@@ -41,6 +41,7 @@ d128=warps=8,ctas=1,depth=1,cvt=alu,lead=0,merge=acqrel
 e128=warps=8,ctas=1,depth=2,cvt=hw,lead=1,merge=acqrel
 cases=${CASES:-"d8k:attn_dense:dense decode bf16 ctx 8192:$dbf;d128k:attn_dense:dense decode bf16 ctx 131072:$d128;e8k:attn_dense:dense decode e4m3 ctx 8192:$d8;e128k:attn_dense:dense decode e4m3 ctx 131072:$e128;s1:attn_sparse:sparse decode bf16 batch 1:warps=8,ctas=1,depth=1,cvt=alu,merge=acqrel"}
 variants=${VARIANTS:-"full nomerge nokv nokvmerge"}
+check_variants "full nomerge nokv nokvmerge"
 
 # make_dir NAME TEMPLATE TILE ABLATION: a templates copy whose TEMPLATE decode default is TILE, with the ablation applied
 make_dir() {

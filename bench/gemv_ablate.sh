@@ -38,6 +38,7 @@ me=gemv_ablate.sh
 mkdir -p "$out" && rm -f "$out/.edit-failed"
 cases=${CASES:-"down:W8A16 moe down:warps=4,rpw=2,unroll=4,cvt=hw,pipe=3,tpc=4,lead=1,lean=0,ksplit=1;gateup:W8A16 moe gate|up:warps=4,rpw=1,unroll=4,cvt=hw,pipe=3,tpc=1,lead=1,lean=0,ksplit=1"}
 variants=${VARIANTS:-"full lean noscale nocvt nocompute contig contiglean"}
+check_variants "full lean noscale nocvt nocompute contig contiglean"
 
 
 # make_dir NAME TILE ABLATION: a templates copy whose e4m3 ring default is TILE, with the ablation applied

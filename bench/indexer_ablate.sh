@@ -37,6 +37,7 @@ mkdir -p "$out" && rm -f "$out/.edit-failed"
 cases=${CASES:-"bf16:8192:warps=4,depth=2,waves=2,chunk=32,cvt=alu,lead=2;bf16:131072:warps=4,depth=2,waves=1,chunk=8,cvt=alu,lead=2;bf16:1048576:warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=2;e4m3:1048576:warps=4,depth=2,waves=1,chunk=16,cvt=hw,lead=2"}
 merge=${MERGE:-acqrel}
 variants=${VARIANTS:-"fence acqrel nomerge handover noscore empty"}
+check_variants "fence acqrel lead2 both nomerge handover noscore empty"
 
 
 # make_dir NAME TILE ABLATION: a templates copy whose index_decode default is TILE, with the ablation applied

@@ -12,7 +12,9 @@
 #
 # --family: the tune's kernel family (m3kit tune --help); --bench: the bench's
 # (m3kit bench --help); --case: M3KIT_BENCH_CASE for the bench; --m3kit: the
-# binary (default ./m3kit, as in .dev/ on the GPU machine).  A GPU is needed.
+# binary (default ./m3kit, as in .dev/ on the GPU machine; a name without a
+# slash is looked up in PATH).  A GPU is needed (refused at once where
+# nvidia-smi, or without it /dev/nvidia*, says there is none).
 #
 # Writes DIR/NAME-tune.log, DIR/NAME-ROUND.md and .log (the bench's), and
 # DIR/ab.md (a summary: each arm's mean time a row and its ratio to the first arm; then each
@@ -45,10 +47,12 @@ for a in "$@"; do
   d=${a#*=}
   [ "$d" = - ] || [ -f "$d/$fam.lua" ] || { echo "template_ab.sh: $d/$fam.lua not found (arm ${a%%=*})" >&2; exit 2; }
 done
-case $m3kit in */*) ;; *) m3kit=./$m3kit;; esac
-[ -x "$m3kit" ] || { echo "template_ab.sh: no m3kit binary at $m3kit (--m3kit PATH)" >&2; exit 2; }
-command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L > /dev/null 2>&1 ||
-  { echo "template_ab.sh: no GPU here (nvidia-smi -L): an A/B needs one" >&2; exit 2; }
+# A name without a slash is looked up in PATH, as the shell would run it.
+command -v "$m3kit" > /dev/null 2>&1 || { echo "template_ab.sh: no m3kit binary at $m3kit (--m3kit PATH)" >&2; exit 2; }
+# Whether there is a GPU: nvidia-smi's list where it is installed, else a
+# /dev/nvidia<N> device (without one every arm's m3kit tune would exit 3).
+if command -v nvidia-smi > /dev/null 2>&1; then nvidia-smi -L > /dev/null 2>&1; else ls /dev/nvidia[0-9]* > /dev/null 2>&1; fi ||
+  { echo "template_ab.sh: no GPU here (nvidia-smi -L, /dev/nvidia*): an A/B needs one" >&2; exit 2; }
 mkdir -p "$out" || exit 2
 base=$(mktemp -d "${TMPDIR:-/tmp}/template-ab.XXXXXX") || exit 2
 trap 'rm -rf "$base"' EXIT

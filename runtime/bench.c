@@ -14,7 +14,15 @@ static int cases_matched;
 int m3_bench_case_wanted(const char *name) {
   const char *f = getenv("M3KIT_BENCH_CASE");
   if (!f || !*f) return 1;
-  const int hit = name && strstr(name, f);
+  /* A trailing '$' anchors the text at the name's end: "tokens=1$" is not tokens=16. */
+  const size_t n = strlen(f);
+  int hit = 0;
+  if (name && n > 1 && f[n - 1] == '$') {
+    const size_t ln = strlen(name);
+    hit = ln >= n - 1 && !strncmp(name + ln - (n - 1), f, n - 1);
+  } else if (name) {
+    hit = strstr(name, f) != NULL;
+  }
   if (hit) __atomic_fetch_add(&cases_matched, 1, __ATOMIC_RELAXED);
   return hit;
 }

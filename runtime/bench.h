@@ -21,7 +21,8 @@ typedef m3_status (*m3_bench_fn)(m3_rt *rt, const m3_bench_ctx *bc, FILE *out, m
 typedef struct m3_bench_entry { const char *name; m3_bench_fn fn; } m3_bench_entry;
 
 /* 1 when the case named `name` should run: M3KIT_BENCH_CASE unset or empty,
- * or a substring of `name` (so a profiler such as ncu sees one case only). */
+ * or a substring of `name` (so a profiler such as ncu sees one case only);
+ * TEXT$ must end the name ("tokens=1$" leaves tokens=16 out). */
 int m3_bench_case_wanted(const char *name);
 /* How many m3_bench_case_wanted calls so far matched a set M3KIT_BENCH_CASE
  * (0 while it is unset): a filter that selected nothing is an error. */

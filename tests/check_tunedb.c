@@ -20,6 +20,7 @@
 
 #include "cache/store.h"
 #include "cache/tunedb.h"
+#include "runtime/bench.h"
 #include "autotune/tune.h"
 #include "m3config.h"
 #include "runtime/tuning_lookup.h"
@@ -1068,6 +1069,28 @@ END_TEST
 /* output                                                                    */
 /* ------------------------------------------------------------------------- */
 
+/* M3KIT_BENCH_CASE (runtime/bench.c): a substring, or anchored at the name's
+ * end by a trailing '$'; only matches are counted (a filter that selects no
+ * case makes m3kit bench exit 1). */
+START_TEST(bench_case_filter) {
+  unsetenv("M3KIT_BENCH_CASE");
+  const int n0 = m3_bench_cases_matched();
+  ck_assert(m3_bench_case_wanted("insert bf16 tokens=16"));
+  ck_assert_int_eq(m3_bench_cases_matched(), n0); /* no filter: nothing counted */
+  setenv("M3KIT_BENCH_CASE", "tokens=1", 1);
+  ck_assert(m3_bench_case_wanted("insert bf16 tokens=16"));
+  ck_assert(m3_bench_case_wanted("insert bf16 tokens=1"));
+  setenv("M3KIT_BENCH_CASE", "tokens=1$", 1);
+  ck_assert(!m3_bench_case_wanted("insert bf16 tokens=16"));
+  ck_assert(m3_bench_case_wanted("insert bf16 tokens=1"));
+  ck_assert(!m3_bench_case_wanted("s=1"));
+  setenv("M3KIT_BENCH_CASE", "$", 1); /* a lone '$' is plain text */
+  ck_assert(!m3_bench_case_wanted("tokens=1"));
+  ck_assert_int_eq(m3_bench_cases_matched(), n0 + 3);
+  unsetenv("M3KIT_BENCH_CASE");
+}
+END_TEST
+
 START_TEST(print_and_plot) {
   m3_tunedb *db = m3_tunedb_new();
   put_simple(db, "qknorm_rope(attn=sparse)", "tokens=1,ctx=131072", "warps=4,tok=2");
@@ -1239,6 +1262,7 @@ int main(void) {
   TCase *out = tcase_create("output");
   tcase_set_timeout(out, 60);
   tcase_add_test(out, print_and_plot);
+  tcase_add_test(out, bench_case_filter);
   tcase_add_test(out, only_list_matches_whole_names);
   tcase_add_test(out, cli_show_with_and_without_a_db);
   suite_add_tcase(s, out);

@@ -23,11 +23,12 @@ t1=$(printf '%s\n' "$out" | sed -n 's/^sequence 1: //p')
 [ "$t0" != "$t1" ] || fail "both sequences drew the same first token ($t0): one random draw shared"
 echo "cli_run_emu.sh: first tokens $t0 and $t1 at temperature 1, seed 1"
 
-rep=$(mktemp)
-trap 'rm -f "$rep"' EXIT
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+rep=$scratch/bench.md
 rc=0
-M3KIT_BENCH_CASE="no such case" "$emu" bench --only insert,indexer --out "$rep" > "$rep.err" 2>&1 || rc=$?
-err=$(cat "$rep.err"); rm -f "$rep.err"
+M3KIT_BENCH_CASE="no such case" "$emu" bench --only insert,indexer --out "$rep" > "$scratch/bench.err" 2>&1 || rc=$?
+err=$(cat "$scratch/bench.err")
 [ "$rc" = 1 ] || fail "bench with a case filter that matches nothing: exit $rc, want 1: $err"
 printf '%s\n' "$err" | grep -q 'matched no case' || fail "bench: no 'matched no case' message: $err"
 [ "$(grep -ci '^## .*indexer' "$rep")" = 1 ] || fail "bench: the indexer section's heading is not there once: $(grep '^## ' "$rep")"
@@ -35,9 +36,9 @@ grep -q '^Command: `m3kit bench --only insert,indexer --out ' "$rep" || fail "be
 echo "cli_run_emu.sh: bench refuses a case filter that matches nothing"
 
 # The command a tuning record keeps is the one typed (it once read "m3kit m3kit tune ..."): the tiny preset, one shape.
-c=$(mktemp -d)
-M3KIT_CACHE_DIR=$c "$emu" tune --preset tiny --only embed --shapes tokens=1 > "$c/log" 2>&1 || { cat "$c/log" >&2; rm -rf "$c"; fail "tune on the emulator failed"; }
+c=$scratch/cache
+M3KIT_CACHE_DIR=$c "$emu" tune --preset tiny --only embed --shapes tokens=1 > "$scratch/tune.log" 2>&1 ||
+  { cat "$scratch/tune.log" >&2; fail "tune on the emulator failed"; }
 grep -q '"command": "m3kit tune --preset tiny --only embed --shapes tokens=1"' "$c"/tuning/*.json ||
-  { grep -h '"command"' "$c"/tuning/*.json >&2; rm -rf "$c"; fail "the tuning record's command is not the one typed"; }
-rm -rf "$c"
+  { grep -h '"command"' "$c"/tuning/*.json >&2; fail "the tuning record's command is not the one typed"; }
 echo "cli_run_emu.sh: a tuning record keeps the command as typed"

@@ -28,14 +28,15 @@ static void help(void) {
          "then every kernel family's benchmark cases (median/p20/p80 of event-timed launches over\n"
          "rotating buffers larger than L2), and writes a markdown report with each row's share of\n"
          "the ceiling.  The copy ceiling counts read + write; a kernel that mostly reads can pass 100%%.\n"
-         "Tiles come from the tuning DB (m3kit tune), else the defaults.\n"
+         "Tiles come from the tuning DB (m3kit tune), else the seed DB, else the defaults.\n"
          "  --out FILE     report path (default: standard output)\n"
          "  --only LIST    families, comma separated: qknorm_rope, insert, indexer, attention, ffn\n"
          "                 (the bench's own grouping; m3kit tune --help lists the kernel families)\n"
          "  --preset NAME  the config whose qknorm_rope variants are measured (default minimax-m3);\n"
          "                 the other families' cases are minimax-m3's shapes (bench/cases_*.c)\n"
          "Environment: M3KIT_BENCH_CASE=TEXT runs only the cases whose name contains TEXT (for a\n"
-         "profiler); one that matches no case is an error (exit 1).  Case names: qknorm_rope\n"
+         "profiler; TEXT$ must end the name: \"tokens=1$\" leaves tokens=16 out); one that matches no\n"
+         "case is an error (exit 1).  Case names: qknorm_rope\n"
          "\"AXES tokens=N\" (as in its table), insert \"insert bf16|e4m3 tokens=N\", indexer \"batch 1,\n"
          "131072 bf16\", attention and ffn the row's case text.\n");
 }
@@ -162,9 +163,15 @@ int cmd_bench(int argc, char **argv) {
   fprintf(stderr, "m3kit bench: measuring the copy ceiling (2 GiB device-to-device)...\n");
   if ((s = m3_measure_copy_gbs(&rt, &bc.copy_gbs, &e))) return cli_fail("bench", s, &e);
   bc.gemm_tflops = 0; /* only the attention's prefill rows are put against it */
+  char gemm[160] = "not measured (no attention rows)";
   if (!only || m3_tune_name_in_list(only, "attention")) {
     fprintf(stderr, "m3kit bench: measuring the cuBLAS bf16 GEMM ceiling (8192^3)...\n");
-    m3_bench_gemm_ceiling(&rt, &bc.gemm_tflops, &e);
+    m3_err ge;
+    if (m3_bench_gemm_ceiling(&rt, &bc.gemm_tflops, &ge) != M3_OK) {
+      bc.gemm_tflops = 0; /* the prefill rows then print no share of it */
+      snprintf(gemm, sizeof gemm, "failed (%.120s)", ge.msg);
+      fprintf(stderr, "m3kit bench: the GEMM ceiling failed: %s\n", ge.msg);
+    }
   }
   FILE *out = stdout;
   if (outp && !(out = fopen(outp, "w"))) {
@@ -175,7 +182,6 @@ int cmd_bench(int argc, char **argv) {
   for (int i = 1; i < argc; i++) snprintf(cmd + strlen(cmd), sizeof cmd - strlen(cmd), " %s", argv[i]);
   char date[40];
   m3_tunedb_now_iso(date, sizeof date);
-  char gemm[64] = "not measured (no attention rows)";
   if (bc.gemm_tflops > 0) snprintf(gemm, sizeof gemm, "%.0f TFLOP/s", bc.gemm_tflops);
   fprintf(out, "# m3kit bench on %s (%s, %d SMs), %s\n\nCommand: `%s`\n\nCeilings measured in this run: "
                "device-to-device copy %.0f GB/s (read + write: a kernel that mostly reads can pass 100%%); "
