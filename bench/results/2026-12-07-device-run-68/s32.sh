@@ -4,7 +4,7 @@
 set -u
 nvidia-smi -L > $OUT/gpu.txt; cat $OUT/gpu.txt
 T=${S32_T:-575}
-if ! grep -q H200 $OUT/gpu.txt; then T_ALL=$((T - 15)) sh next-run.sh; exit; fi
+if ! grep -q H200 $OUT/gpu.txt; then T_ALL=$((T - 15)) sh next-run.sh; exit; fi  # ../2026-12-07-device-run-67/next-run.sh
 export M3KIT_SEED_DB=$PWD/seed-sm_90.json M3KIT_CACHE_DIR=/tmp/cn
 s=$(date +%s)
 el() { echo $(( $(date +%s) - s )); }
