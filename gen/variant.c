@@ -100,7 +100,7 @@ m3_status m3_variant_parse(const char *text, m3_variant *v, m3_err *e) {
     char a[sizeof v->arch];
     snprintf(a, sizeof a, "%.*s", (int)(al < sizeof a ? al : sizeof a - 1), a0);
     if (al >= sizeof v->arch || !m3_arch_valid(a))
-      return m3_errf(e, M3_KEY, "key '%s': bad arch suffix at column %d (want @sm_XX or @sm_XXa)", text,
+      return m3_errf(e, M3_KEY, "key '%s': bad arch suffix at column %d (want @sm_XX, @sm_XXa or @sm_XXf)", text,
                      (int)(a0 - text) + 1);
     memcpy(v->arch, a0, al);
   }

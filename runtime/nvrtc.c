@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gen/variant.h" /* m3_arch_valid: the one spelling check of an SM arch */
+
 static long compile_count;
 
 long m3_nvrtc_compile_count(void) { return __atomic_load_n(&compile_count, __ATOMIC_RELAXED); }
@@ -22,17 +24,14 @@ void m3_nvrtc_options(const char *arch, char *buf, size_t n) {
   snprintf(buf, n, "--gpu-architecture=%s -std=c++17 -default-device --fmad=true -lineinfo", arch);
 }
 
-static int arch_ok(const char *a) {
-  if (strncmp(a, "sm_", 3)) return 0;
-  const char *p = a + 3;
-  if (!*p) return 0;
-  while (*p >= '0' && *p <= '9') p++;
-  if (*p == 'a' || *p == 'f') p++;
-  return *p == 0 && p > a + 4;
-}
-
 m3_status m3_nvrtc_arch_check(const char *arch, m3_err *e) {
-  if (!arch_ok(arch)) return m3_errf(e, M3_INVAL, "bad SM arch '%s' (want sm_XX, sm_XXa or sm_XXf)", arch);
+  if (!m3_arch_valid(arch)) return m3_errf(e, M3_INVAL, "bad SM arch '%s' (want sm_XX, sm_XXa or sm_XXf)", arch);
+  const int want = atoi(arch + 3);
+  const char sfx = arch[strlen(arch) - 1];
+  /* arch-specific (a) targets exist from sm_90, family (f) ones from sm_100 */
+  if ((sfx == 'a' && want < 90) || (sfx == 'f' && want < 100))
+    return m3_errf(e, M3_INVAL, "SM arch %s: there is no '%c' target below sm_%d (sm_90a, sm_100a, sm_100f, ...)",
+                   arch, sfx, sfx == 'a' ? 90 : 100);
   int n = 0;
   nvrtcResult r = nvrtcGetNumSupportedArchs(&n);
   if (r != NVRTC_SUCCESS) return m3_errf(e, M3_NVRTC, "nvrtcGetNumSupportedArchs: %s", nvrtcGetErrorString(r));
@@ -41,14 +40,6 @@ m3_status m3_nvrtc_arch_check(const char *arch, m3_err *e) {
   if ((r = nvrtcGetSupportedArchs(v)) != NVRTC_SUCCESS) {
     free(v);
     return m3_errf(e, M3_NVRTC, "nvrtcGetSupportedArchs: %s", nvrtcGetErrorString(r));
-  }
-  const int want = atoi(arch + 3);
-  const char sfx = arch[strlen(arch) - 1];
-  /* arch-specific (a) targets exist from sm_90, family (f) ones from sm_100 */
-  if ((sfx == 'a' && want < 90) || (sfx == 'f' && want < 100)) {
-    free(v);
-    return m3_errf(e, M3_INVAL, "SM arch %s: there is no '%c' target below sm_%d (sm_90a, sm_100a, sm_100f, ...)",
-                   arch, sfx, sfx == 'a' ? 90 : 100);
   }
   int found = 0;
   for (int i = 0; i < n; i++) found |= v[i] == want;
@@ -65,7 +56,7 @@ m3_status m3_nvrtc_compile(const char *src, const char *name, const char *arch, 
   *cubin = NULL;
   *size = 0;
   if (log) *log = NULL;
-  if (!arch_ok(arch)) return m3_errf(e, M3_INVAL, "bad SM arch '%s' (want sm_XX, sm_XXa or sm_XXf)", arch);
+  if (!m3_arch_valid(arch)) return m3_errf(e, M3_INVAL, "bad SM arch '%s' (want sm_XX, sm_XXa or sm_XXf)", arch);
   char opts[512];
   m3_nvrtc_options(arch, opts, sizeof opts);
   if (extra && *extra) {

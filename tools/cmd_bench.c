@@ -178,8 +178,8 @@ int cmd_bench(int argc, char **argv) {
     fprintf(stderr, "m3kit bench: cannot write %s\n", outp);
     return 1;
   }
-  char cmd[1024] = "m3kit bench"; /* argv[0] is the command as m3kit.c names it */
-  for (int i = 1; i < argc; i++) snprintf(cmd + strlen(cmd), sizeof cmd - strlen(cmd), " %s", argv[i]);
+  char cmd[1024];
+  cli_cmdline(argc, argv, cmd, sizeof cmd);
   char date[40];
   m3_tunedb_now_iso(date, sizeof date);
   if (bc.gemm_tflops > 0) snprintf(gemm, sizeof gemm, "%.0f TFLOP/s", bc.gemm_tflops);

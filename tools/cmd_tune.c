@@ -275,11 +275,8 @@ int cmd_tune(int argc, char **argv) {
   m3_tune_opts o = {.preset = "minimax-m3", .progress = stderr};
   int show = 0, do_rehash = 0, model_given = 0, c;
   const char *plot = NULL, *arch = NULL;
-  char cmdline[1024] = "m3kit tune"; /* argv[0] is the command as m3kit.c names it */
-  for (int i = 1; i < argc; i++) {
-    size_t l = strlen(cmdline);
-    snprintf(cmdline + l, sizeof cmdline - l, " %s", argv[i]);
-  }
+  char cmdline[1024];
+  cli_cmdline(argc, argv, cmdline, sizeof cmdline);
   o.command = cmdline;
   optind = 1;
   while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {

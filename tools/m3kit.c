@@ -92,6 +92,12 @@ int main(int argc, char **argv) {
   return 2;
 }
 
+void cli_cmdline(int argc, char **argv, char *buf, size_t n) {
+  size_t l = 0;
+  buf[0] = 0;
+  for (int i = 0; i < argc && l < n; i++) l += (size_t)snprintf(buf + l, n - l, "%s%s", i ? " " : "", argv[i]);
+}
+
 int cli_path(const char *cmd, const char *opt, const char *text) {
   if (*text) return 0;
   fprintf(stderr, "m3kit %s: --%s: an empty path\n", cmd, opt);
