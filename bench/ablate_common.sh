@@ -18,6 +18,7 @@ done
 
 # A tile as a Lua table literal: warps=8,cvt=alu -> warps = 8, cvt = "alu"
 lua_tile() { echo "$1" | tr ',' '\n' | sed -E 's/^([a-z]+)=([0-9]+)$/\1 = \2/; s/^([a-z]+)=([a-z0-9]+)$/\1 = "\2"/' | paste -sd, - | sed 's/,/, /g'; }
+mkdir -p "$out" && rm -f "$out/.edit-failed"
 [ "$dry" = 2 ] || command -v "$m3kit" > /dev/null 2>&1 || { echo "$me: no m3kit at $m3kit (give it with --m3kit PATH)" >&2; exit 2; }
 # check_variants KNOWN: every name in $variants is one of KNOWN, before anything
 # runs (inside the sweep's pipeline an exit would only end a subshell).

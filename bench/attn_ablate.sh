@@ -34,7 +34,6 @@ rounds=1 dry=0 out=${OUT:-/tmp/out}/attn-ablate m3kit=./m3kit tdir=./templates
 me=attn_ablate.sh
 . "$(dirname "$0")/ablate_common.sh"
 [ -f "$tdir/lib/attn_mma.lua" ] || { echo "attn_ablate.sh: no $tdir/lib/attn_mma.lua" >&2; exit 2; }
-mkdir -p "$out" && rm -f "$out/.edit-failed"
 dbf=warps=8,ctas=1,depth=1,cvt=alu,lead=1,merge=acqrel
 d8=warps=8,ctas=1,depth=1,cvt=hw,lead=1,merge=acqrel
 d128=warps=8,ctas=1,depth=1,cvt=alu,lead=0,merge=acqrel
@@ -73,7 +72,6 @@ for r in $(seq 1 "$rounds"); do
   echo "$cases" | tr ';' '\n' | while IFS=: read -r nm tpl row tile; do
     [ -n "$nm" ] || continue
     for v in $variants; do
-      case $v in full|nomerge|nokv|nokvmerge) ;; *) echo "attn_ablate.sh: unknown variant $v" >&2; exit 2;; esac
       d=$(make_dir "$v-$nm" "$tpl" "$tile" "$v") || { edit_failed "$r" "$nm" "$v" "$tile"; continue; }
       [ "$dry" = 2 ] && { edited "$r" "$nm" "$v" "$tile"; continue; }
       md=$out/bench-$v-$nm-$r.md

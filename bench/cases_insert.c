@@ -3,8 +3,8 @@
  * write q,k back (bf16), write K,V into the cache (bf16 or e4m3); the unfused
  * path moves k,v once more (write then read) and pays a second launch. */
 #include "bench/cases_insert.h"
-#include <math.h>
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 

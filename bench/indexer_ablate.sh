@@ -33,7 +33,6 @@ rounds=1 dry=0 out=${OUT:-/tmp/out}/ablate m3kit=./m3kit tdir=./templates
 me=indexer_ablate.sh
 . "$(dirname "$0")/ablate_common.sh"
 [ -f "$tdir/index_decode.lua" ] || { echo "indexer_ablate.sh: no $tdir/index_decode.lua" >&2; exit 2; }
-mkdir -p "$out" && rm -f "$out/.edit-failed"
 cases=${CASES:-"bf16:8192:warps=4,depth=2,waves=2,chunk=32,cvt=alu,lead=2;bf16:131072:warps=4,depth=2,waves=1,chunk=8,cvt=alu,lead=2;bf16:1048576:warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=2;e4m3:1048576:warps=4,depth=2,waves=1,chunk=16,cvt=hw,lead=2"}
 merge=${MERGE:-acqrel}
 variants=${VARIANTS:-"fence acqrel nomerge handover noscore empty"}
@@ -85,7 +84,6 @@ for r in $(seq 1 "$rounds"); do
           m=fence; [ "$v" = both ] && m=acqrel
           t="$base,lead=2,merge=$m" a=none;;
         nomerge|handover|noscore|empty) t="$base,lead=$lead,merge=$merge" a=$v;;
-        *) echo "indexer_ablate.sh: unknown variant $v" >&2; exit 2;;
       esac
       d=$(make_dir "$v-$ix-$ctx" "$t" "$a") || { edit_failed "$r" "$ix" "$ctx" "$v" "$t"; continue; }
       [ "$dry" = 2 ] && { edited "$r" "$ix" "$ctx" "$v" "$t"; continue; }

@@ -7,10 +7,9 @@ set -eu
 cd "$(dirname "$0")/.."
 b=${1:-build}
 mkdir -p .dev
-# m3kit and the GPU tests (check programs, built by `make check` only) are
-# built first, without running any test: a copy of a build older than the
-# sources would run old kernels (the templates are embedded) on the GPU.
-make -C "$b" -s > /dev/null
+# `make check` with no tests builds m3kit (check depends on all) and the GPU
+# tests (check programs) before anything is copied: a copy of a build older
+# than the sources would run old kernels (the templates are embedded).
 make -C "$b" -s check TESTS= > /dev/null
 cp "$b/m3kit" .dev/
 n=0
