@@ -79,7 +79,12 @@ fi
 mkdir -p "$out/tpot-logs"
 dat=$out/tpot_curve.dat md=$out/tpot_curve.md png=$out/tpot_curve.png
 wfmt=${weights:-mxfp8}   # m3kit's default for --preset minimax-m3 (hidden >= 4096 -> MXFP8)
-contexts_sp=$(echo "$contexts" | tr ',' ' ')
+# The contexts as run: prompt + generated tokens must fit
+# max_position_embeddings (1M), so the 1M point is a prompt that ends just
+# before it (8 spare: the baseline's warm-up steps, so that both run the same
+# prompt length).  Every run, baseline and .dat row uses these.
+contexts_sp=$(for c in $(echo "$contexts" | tr ',' ' '); do
+  if [ $(( c + steps + 8 )) -gt 1048576 ]; then echo $(( 1048576 - steps - 8 )); else echo "$c"; fi; done)
 
 # ---- the spec's byte counts (awk: doubles are exact far beyond these sizes) ----------------------
 # roof FMT KVB IDXB T -> "weight_bytes kv_bytes roofline_ms";  model_bytes FMT -> bytes m3kit allocates
@@ -108,11 +113,6 @@ pick_cache() {  # context -> bf16|e4m3 for m3kit (weights + caches + 6 GB of wor
   awk -v w="$(model_bytes "$wfmt")" -v t="$(( $1 + steps ))" -v g="$gpu_bytes" \
     'BEGIN { print (w + 137472*t + 6e9 <= g) ? "bf16" : "e4m3" }'
 }
-# A context as run: prompt + generated tokens must fit max_position_embeddings
-# (1M), so the 1M point is a prompt that ends just before it (8 spare: the
-# baseline's warm-up steps, so that both run the same prompt length).  The
-# .dat's rows hold the context as run.
-as_run() { if [ $(( $1 + steps + 8 )) -gt 1048576 ]; then echo $(( 1048576 - steps - 8 )); else echo "$1"; fi; }
 fmt_ms() { [ -n "$1" ] && [ "$1" != - ] && printf '%.3f' "$1" || printf -- '-'; }
 
 # ---- the table and the plot from the .dat --------------------------------------------------------
@@ -175,14 +175,12 @@ rm -f "$out/tpot-logs/fake"
 tmp=$out/tpot-logs/new.dat
 : > "$tmp"
 if [ "$append" = 1 ] && [ -f "$dat" ]; then
-  run_list=$(for c in $contexts_sp; do printf ',%s' "$(as_run "$c")"; done)
-  awk -v L="$run_list," '$1 ~ /^#/ || index(L, "," $1 ",") == 0' "$dat" > "$tmp"
+  awk -v L=",$(echo $contexts_sp | tr ' ' ',')," '$1 ~ /^#/ || index(L, "," $1 ",") == 0' "$dat" > "$tmp"
 fi
 
 if [ "$fake" = 1 ]; then
   : > "$out/tpot-logs/fake"
-  for c0 in $contexts_sp; do
-    c=$(as_run "$c0")
+  for c in $contexts_sp; do
     k=$(pick_cache "$c"); b=$([ "$k" = bf16 ] && echo 2 || echo 1)
     set -- $(roof "$wfmt" $b $b $(( c + steps / 2 ))); r=$3
     set -- $(roof bf16 $b $b $(( c + steps / 2 ))); rt=$3
@@ -204,8 +202,8 @@ if [ "$torch" = 1 ] && [ -f "$here/baseline_torch.py" ] && "$py" -c 'import torc
   if [ "$tb" -ge 30 ]; then
     echo "== torch baseline: contexts $contexts, caches $dts, at most $tb s"
     # the same prompt lengths as m3kit's: prompt + steps within max_position_embeddings (1M)
-    tctx=$(for c in $contexts_sp; do printf '%s,' "$(as_run "$c")"; done)
-    timeout "$tb" "$py" "$here/baseline_torch.py" --contexts "${tctx%,}" --cache-dtype "$dts" --steps "$steps" \
+    tctx=$(echo $contexts_sp | tr ' ' ',')
+    timeout "$tb" "$py" "$here/baseline_torch.py" --contexts "$tctx" --cache-dtype "$dts" --steps "$steps" \
       --json "$out/tpot-logs/torch.json" > "$tres" 2>&1
     echo "   rc=$? $(grep -c '^RESULT' "$tres") contexts measured ($tres)"
   fi
@@ -220,7 +218,7 @@ if [ -z "$m3kit" ]; then
   done
 fi
 [ -n "$m3kit" ] && [ -x "$m3kit" ] || { echo "tpot_curve.sh: no m3kit binary (--m3kit PATH)" >&2; exit 1; }
-run_m3() {  # context (as run) cache extra-args log -> rc (log holds the output); sets c, k, x, log (sh has no locals)
+run_m3() {  # context cache extra-args log -> rc (log holds the output); sets c, k, x, log (sh has no locals)
   c=$1 k=$2 x=$3 log=$4
   t=$(( $(left) - 10 ))
   [ "$t" -lt 30 ] && { echo "skipped: budget spent" > "$log"; return 124; }
@@ -231,8 +229,7 @@ run_m3() {  # context (as run) cache extra-args log -> rc (log holds the output)
   timeout "$t" "$m3kit" run --preset minimax-m3 --resident-experts 8 --max-new-tokens "$steps" --context "$c" \
     $kv ${weights:+--weights $weights} $x $m3args >> "$log" 2>&1
 }
-for c0 in $contexts_sp; do
-  c=$(as_run "$c0")
+for c in $contexts_sp; do
   k=$(pick_cache "$c")
   log=$out/tpot-logs/m3kit-$c.log
   echo "== m3kit run --context $c ($k caches), $(left) s left"
