@@ -28,6 +28,19 @@ typedef struct m3emu_api {
   uint32_t (*shfl)(uint32_t v, int src);
   uint32_t (*ballot)(int pred);
   void (*trap)(const char *what);
+  /* The running thread's block's dynamic shared memory (each block its own). */
+  void *(*dyn_smem)(void);
+  /* barrier.cluster.arrive.release + wait.acquire over every thread of every
+   * block of the cluster (exited threads count as arrived); a block barrier
+   * when the launch has no cluster. */
+  void (*cluster_sync)(void);
+  /* DSMEM (PTX mapa): p points into this block's dynamic shared memory; the
+   * address at the same offset in block `rank`'s.  Anything else (p outside
+   * [buffer, buffer + bytes), rank >= cluster size) is a launch failure; p
+   * is returned then. */
+  void *(*map_shared)(const void *p, unsigned rank);
+  unsigned (*cluster_rank)(void);  /* %cluster_ctarank: blockIdx.x % cluster_x */
+  unsigned (*cluster_size)(void);  /* %cluster_nctarank: cluster_x */
 } m3emu_api;
 
 #ifdef __cplusplus

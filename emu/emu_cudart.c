@@ -34,7 +34,8 @@ cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total) {
 }
 
 /* ---- graph capture: a list of recorded operations ---- */
-typedef struct op { int kind; void *dst; const void *src; size_t n; int val; CUfunction f; unsigned g[3], b[3], smem; void **args; } op;
+/* kind 1 copy, 2 set, 3 launch (cluster_x: blocks per cluster along x, 1 = none) */
+typedef struct op { int kind; void *dst; const void *src; size_t n; int val; CUfunction f; unsigned g[3], b[3], smem, cluster_x; void **args; } op;
 struct CUgraph_st { op *ops; int n, cap; };
 struct CUgraphExec_st { struct CUgraph_st *g; };
 static struct CUgraph_st *capturing;
@@ -153,7 +154,20 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t x, cudaStream_t s) {
     op *o = &g->ops[i];
     if (o->kind == 1) memmove(o->dst, o->src, o->n);
     else if (o->kind == 2) memset(o->dst, o->val, o->n);
-    else if (m3_drv.cuLaunchKernel(o->f, o->g[0], o->g[1], o->g[2], o->b[0], o->b[1], o->b[2], o->smem, NULL, o->args, NULL))
+    else if (o->cluster_x > 1) {
+      CUlaunchAttribute at;
+      memset(&at, 0, sizeof at);
+      at.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+      at.value.clusterDim.x = o->cluster_x, at.value.clusterDim.y = 1, at.value.clusterDim.z = 1;
+      CUlaunchConfig c;
+      memset(&c, 0, sizeof c);
+      c.gridDimX = o->g[0], c.gridDimY = o->g[1], c.gridDimZ = o->g[2];
+      c.blockDimX = o->b[0], c.blockDimY = o->b[1], c.blockDimZ = o->b[2];
+      c.sharedMemBytes = o->smem;
+      c.attrs = &at;
+      c.numAttrs = 1;
+      if (m3_drv.cuLaunchKernelEx(&c, o->f, o->args, NULL)) return ret(cudaErrorLaunchFailure);
+    } else if (m3_drv.cuLaunchKernel(o->f, o->g[0], o->g[1], o->g[2], o->b[0], o->b[1], o->b[2], o->smem, NULL, o->args, NULL))
       return ret(cudaErrorLaunchFailure);
   }
   return cudaSuccess;
@@ -176,15 +190,17 @@ cudaError_t cudaGraphDestroy(cudaGraph_t g) {
 }
 
 /* Kernel launches inside a capture are recorded with a copy of their
- * argument bytes (the caller's locals die); m3emu_capture_launch is called by
- * the emulated cuLaunchKernel when a capture is active. */
+ * argument bytes (the caller's locals die) and their cluster size;
+ * m3emu_capture_launch is called by the emulated cuLaunchKernel(Ex) when a
+ * capture is active, after the launch's checks. */
 int m3emu_capturing(void) { return capturing != NULL; }
-void m3emu_capture_launch(CUfunction f, const unsigned g[3], const unsigned b[3], unsigned smem, void **args, int nargs,
-                          const size_t *sizes) {
+void m3emu_capture_launch(CUfunction f, const unsigned g[3], const unsigned b[3], unsigned smem, unsigned cluster_x,
+                          void **args, int nargs, const size_t *sizes) {
   void **copy = malloc(sizeof(void *) * (size_t)(nargs ? nargs : 1));
   for (int i = 0; i < nargs; i++) {
     copy[i] = malloc(sizes[i]);
     memcpy(copy[i], args[i], sizes[i]);
   }
-  record((op){.kind = 3, .f = f, .g = {g[0], g[1], g[2]}, .b = {b[0], b[1], b[2]}, .smem = smem, .args = copy});
+  record((op){.kind = 3, .f = f, .g = {g[0], g[1], g[2]}, .b = {b[0], b[1], b[2]}, .smem = smem,
+              .cluster_x = cluster_x ? cluster_x : 1, .args = copy});
 }

@@ -1,10 +1,18 @@
 /* m3emu.h - force-included by the CPU emulator's g++ build of a generated
  * kernel source.  It maps the CUDA built-ins the templates use onto the
- * emulator: blocks run one after another, the threads of a block are fibers
- * that switch only at barriers and warp exchanges, so __shared__ can be a
- * static, atomics are plain read-modify-writes, and fences are no-ops.
- * Anything a template uses that is not here fails to compile in the emulator,
- * which is the point: the list below is what the templates may use. */
+ * emulator: blocks run one after another (the blocks of a thread-block
+ * cluster together), the threads are fibers that switch only at barriers and
+ * warp exchanges, so atomics are plain read-modify-writes and fences are
+ * no-ops.  Dynamic shared memory (`extern __shared__ T x[];`, which the
+ * emulator's compiler rewrites into a pointer at m3emu_dyn_smem_buf) is each
+ * block's own buffer; a static __shared__ variable is one copy per kernel
+ * image (fine when blocks run one at a time), kept in the section
+ * "m3emu_shared" so that the emulator can refuse a cluster launch of a kernel
+ * that has any.  The m3emu_cluster_* and m3emu_map_shared helpers are the C
+ * twins of barrier.cluster, %cluster_ctarank, %cluster_nctarank and mapa
+ * (DSMEM) for sm_90 clusters (x only).  Anything a template uses that is not
+ * here fails to compile in the emulator, which is the point: the list below is
+ * what the templates may use. */
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -21,7 +29,8 @@ extern "C" const m3emu_api *m3emu_api_ptr;
 #define __noinline__ __attribute__((noinline))
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
-#define __shared__ static
+/* Section name known to emu_driver.c (the image exports its size). */
+#define __shared__ static __attribute__((section("m3emu_shared")))
 #define __constant__ static
 #define __align__(n) __attribute__((aligned(n)))
 #define __grid_constant__
@@ -33,13 +42,30 @@ typedef m3emu_dim3 dim3;
 #define gridDim ((*m3emu_api_ptr->cur)->gridDim)
 #define warpSize 32
 
-static unsigned char m3emu_dyn_smem_buf[256 * 1024] __attribute__((aligned(256)));
+/* The running thread's block's dynamic shared memory (256-byte aligned;
+ * poisoned with 0xA5 bytes when the block starts, as GPU shared memory is
+ * not initialised). */
+#define m3emu_dyn_smem_buf ((unsigned char *)m3emu_api_ptr->dyn_smem())
 
 static inline void __syncthreads(void) { m3emu_api_ptr->syncthreads(); }
 static inline void __syncwarp(unsigned mask = 0xffffffffu) { (void)mask; m3emu_api_ptr->syncwarp(); }
 static inline void __threadfence(void) {}
 static inline void __threadfence_block(void) {}
 static inline void __trap(void) { m3emu_api_ptr->trap("__trap()"); }
+
+/* ---- thread-block clusters (sm_90, x only) ---- */
+/* barrier.cluster.arrive.release + barrier.cluster.wait.acquire (all threads
+ * of all blocks of the cluster; a block barrier without a cluster). */
+static inline void m3emu_cluster_sync(void) { m3emu_api_ptr->cluster_sync(); }
+/* mapa: p (into this block's dynamic shared memory) in block `rank`'s. */
+template <class T> static inline T *m3emu_map_shared(T *p, unsigned rank) {
+  return static_cast<T *>(m3emu_api_ptr->map_shared((const void *)p, rank));
+}
+template <class T> static inline const T *m3emu_map_shared(const T *p, unsigned rank) {
+  return static_cast<const T *>(m3emu_api_ptr->map_shared((const void *)p, rank));
+}
+static inline unsigned m3emu_cluster_ctarank(void) { return m3emu_api_ptr->cluster_rank(); }
+static inline unsigned m3emu_cluster_nctarank(void) { return m3emu_api_ptr->cluster_size(); }
 
 /* ---- bit casts and intrinsics ---- */
 static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
