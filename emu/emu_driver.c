@@ -223,6 +223,19 @@ static CUresult launch(emu_func *ef, unsigned gx, unsigned gy, unsigned gz, unsi
   return CUDA_SUCCESS;
 }
 
+/* Clusters: as cuLaunchKernelEx's rules (x only, 1..16, above 8 with the
+ * non-portable attribute) - one resident at a time, as the emulator runs
+ * them; 0 for a size it would refuse. */
+static CUresult e_cuOccupancyMaxActiveClusters(int *n, CUfunction f, const CUlaunchConfig *c) {
+  *n = 0;
+  unsigned x = 1, y = 1, z = 1;
+  for (unsigned i = 0; i < c->numAttrs; i++)
+    if (c->attrs[i].id == CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+      x = c->attrs[i].value.clusterDim.x, y = c->attrs[i].value.clusterDim.y, z = c->attrs[i].value.clusterDim.z;
+  if (y == 1 && z == 1 && x >= 1 && x <= 16 && (x <= 8 || ((emu_func *)f)->nonportable)) *n = 1;
+  return CUDA_SUCCESS;
+}
+
 static CUresult e_cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                  unsigned bz, unsigned smem, CUstream s, void **args, void **extra) {
   (void)s; (void)extra;
@@ -615,6 +628,7 @@ __attribute__((constructor)) static void m3emu_install(void) {
       .cuModuleGetFunction = e_cuModuleGetFunction, .cuFuncSetAttribute = e_cuFuncSetAttribute,
       .cuFuncGetAttribute = e_cuFuncGetAttribute, .cuLaunchKernel = e_cuLaunchKernel, .cuLaunchKernelEx = e_cuLaunchKernelEx,
       .cuOccupancyMaxActiveBlocksPerMultiprocessor = e_cuOccupancyMaxActiveBlocksPerMultiprocessor,
+      .cuOccupancyMaxActiveClusters = e_cuOccupancyMaxActiveClusters,
       .cuGetErrorName = e_cuGetErrorName, .cuGetErrorString = e_cuGetErrorString};
   /* The options text with a hash (FNV-1a 64) of the embedded headers. */
   static char options[256];

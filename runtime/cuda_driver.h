@@ -18,7 +18,7 @@
   X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuCtxSetCurrent)  \
   X(cuCtxGetCurrent) X(cuModuleLoadData) X(cuModuleUnload) X(cuModuleGetFunction) \
   X(cuFuncSetAttribute) X(cuFuncGetAttribute) X(cuLaunchKernel) X(cuLaunchKernelEx) \
-  X(cuOccupancyMaxActiveBlocksPerMultiprocessor) X(cuGetErrorName) X(cuGetErrorString)
+  X(cuOccupancyMaxActiveBlocksPerMultiprocessor) X(cuOccupancyMaxActiveClusters) X(cuGetErrorName) X(cuGetErrorString)
 
 typedef struct m3_driver {
 #define M3_X_FIELD(f) __typeof__(&f) f;

@@ -125,31 +125,58 @@ void m3_module_unload(m3_module *m) {
 
 m3_status m3_launch(const m3_module *m, unsigned gx, unsigned gy, unsigned gz, CUstream stream,
                     void **args, m3_err *e) {
+  return m3_launch_cluster(m, gx, gy, gz, 1, stream, args, e);
+}
+
+m3_status m3_launch_cluster(const m3_module *m, unsigned gx, unsigned gy, unsigned gz, unsigned cluster_x,
+                            CUstream stream, void **args, m3_err *e) {
+  if (cluster_x < 1 || cluster_x > 16 || gx % (cluster_x ? cluster_x : 1))
+    return m3_errf(e, M3_INVAL, "%s: cluster of %u CTAs for a grid of %u along x (1..16, dividing the grid)",
+                   m->entry, cluster_x, gx);
   if (gx == 0 || gy == 0 || gz == 0) return M3_OK; /* empty problem */
   CUresult r;
-  if (m->pdl) {
-    /* The launch may begin while the stream's previous kernel drains; the
-     * kernel's first statement waits for it (lib/prelude.lua M3_GRID_WAIT).
-     * Captured into a graph, this becomes a programmatic edge. */
-    CUlaunchAttribute at;
-    memset(&at, 0, sizeof at);
-    at.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    at.value.programmaticStreamSerializationAllowed = 1;
+  const char *call = "cuLaunchKernel";
+  if (cluster_x > 8) {
+    r = m3_drv.cuFuncSetAttribute(m->fn, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1);
+    if (r != CUDA_SUCCESS) {
+      m3_cu_fail(e, r, "cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED)", __FILE__, __LINE__);
+      return m3_err_prefix(e, "%s, cluster of %u: ", m->entry, cluster_x);
+    }
+  }
+  if (m->pdl || cluster_x > 1) {
+    /* PDL: the launch may begin while the stream's previous kernel drains;
+     * the kernel's first statement waits for it (lib/prelude.lua
+     * M3_GRID_WAIT).  Captured into a graph, this becomes a programmatic
+     * edge. */
+    CUlaunchAttribute at[2];
+    memset(at, 0, sizeof at);
+    unsigned na = 0;
+    if (m->pdl) {
+      at[na].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+      at[na++].value.programmaticStreamSerializationAllowed = 1;
+    }
+    if (cluster_x > 1) {
+      at[na].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+      at[na].value.clusterDim.x = cluster_x, at[na].value.clusterDim.y = 1, at[na].value.clusterDim.z = 1;
+      na++;
+    }
     CUlaunchConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.gridDimX = gx, cfg.gridDimY = gy, cfg.gridDimZ = gz;
     cfg.blockDimX = (unsigned)m->threads, cfg.blockDimY = 1, cfg.blockDimZ = 1;
     cfg.sharedMemBytes = (unsigned)m->smem;
     cfg.hStream = stream;
-    cfg.attrs = &at;
-    cfg.numAttrs = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = na;
+    call = "cuLaunchKernelEx";
     r = m3_drv.cuLaunchKernelEx(&cfg, m->fn, args, NULL);
   } else {
     r = m3_drv.cuLaunchKernel(m->fn, gx, gy, gz, (unsigned)m->threads, 1, 1, (unsigned)m->smem, stream, args, NULL);
   }
   if (r != CUDA_SUCCESS) {
-    m3_cu_fail(e, r, m->pdl ? "cuLaunchKernelEx" : "cuLaunchKernel", __FILE__, __LINE__);
-    return m3_err_prefix(e, "%s grid (%u,%u,%u) block %d smem %d: ", m->entry, gx, gy, gz, m->threads, m->smem);
+    m3_cu_fail(e, r, call, __FILE__, __LINE__);
+    return m3_err_prefix(e, "%s grid (%u,%u,%u) cluster %u block %d smem %d: ", m->entry, gx, gy, gz, cluster_x,
+                         m->threads, m->smem);
   }
   return M3_OK;
 }
@@ -160,4 +187,26 @@ int m3_module_resident_ctas(const m3_module *m) {
                                                                    (size_t)(m->smem > 0 ? m->smem : 0)) != CUDA_SUCCESS)
     return 0;
   return n > 0 ? n : 0;
+}
+
+int m3_module_max_cluster(const m3_module *m) {
+  if (!m->fn || m3_drv.cuFuncSetAttribute(m->fn, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1) != CUDA_SUCCESS)
+    return 0;
+  for (unsigned c = 16; c >= 2; c /= 2) {
+    CUlaunchAttribute at;
+    memset(&at, 0, sizeof at);
+    at.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    at.value.clusterDim.x = c, at.value.clusterDim.y = 1, at.value.clusterDim.z = 1;
+    CUlaunchConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.gridDimX = c, cfg.gridDimY = 1, cfg.gridDimZ = 1;
+    cfg.blockDimX = (unsigned)(m->threads > 0 ? m->threads : 128), cfg.blockDimY = 1, cfg.blockDimZ = 1;
+    cfg.sharedMemBytes = (unsigned)(m->smem > 0 ? m->smem : 0);
+    cfg.attrs = &at;
+    cfg.numAttrs = 1;
+    int n = 0;
+    if (m3_drv.cuOccupancyMaxActiveClusters(&n, m->fn, &cfg) != CUDA_SUCCESS) return 0;
+    if (n >= 1) return (int)c;
+  }
+  return 1;
 }

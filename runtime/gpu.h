@@ -59,6 +59,18 @@ void m3_module_unload(m3_module *m);
 m3_status m3_launch(const m3_module *m, unsigned gx, unsigned gy, unsigned gz, CUstream stream,
                     void **args, m3_err *e);
 
+/* m3_launch with thread-block clusters of cluster_x CTAs along x (sm_90+;
+ * 1 = no cluster): the CTAs blockIdx.x = c*cluster_x .. c*cluster_x +
+ * cluster_x - 1 run at once on one GPC and share their shared memory
+ * (distributed shared memory).  gx must be a multiple of cluster_x; above 8
+ * (the portable size, up to 16) the function is allowed the non-portable
+ * size first.  Errors: M3_INVAL (cluster_x 0, above 16, or not dividing gx),
+ * M3_CUDA (e.g. CUDA_ERROR_INVALID_CLUSTER_SIZE where the cluster's CTAs
+ * cannot be resident in one GPC at once at this block size and shared
+ * memory). */
+m3_status m3_launch_cluster(const m3_module *m, unsigned gx, unsigned gy, unsigned gz, unsigned cluster_x,
+                            CUstream stream, void **args, m3_err *e);
+
 /* CTAs of module m one SM holds at once, at its block size and dynamic
  * shared memory: the driver's occupancy calculator
  * (cuOccupancyMaxActiveBlocksPerMultiprocessor), which knows the part's
@@ -67,5 +79,12 @@ m3_status m3_launch(const m3_module *m, unsigned gx, unsigned gy, unsigned gz, C
  * driver cannot tell (the CPU emulator): callers pick their own fallback.
  * For split rules (one wave of CTAs), not correctness. */
 int m3_module_resident_ctas(const m3_module *m);
+
+/* The widest thread-block cluster along x, of 16, 8, 4 or 2 CTAs, of which
+ * module m (at its block size and dynamic shared memory) can have at least
+ * one resident at once (cuOccupancyMaxActiveClusters, after allowing the
+ * non-portable sizes): 16 on an H100 SXM, less where a GPC has fewer free
+ * SMs (other parts, MIG slices).  1: none fits; 0: the driver cannot tell. */
+int m3_module_max_cluster(const m3_module *m);
 
 #endif

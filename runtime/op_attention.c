@@ -15,6 +15,14 @@
 /* The merging CTA stages a factor and a partial sum per (split, row) in its
  * NW*16*hd-float shared-memory area, hence at most NW*hd/2 splits (hd 128). */
 #define SPLITS_PER_WARP 64
+/* merge=cluster: a (token, KV head)'s splits are one thread-block cluster,
+ * at most 16 CTAs (the non-portable maximum on sm_90). */
+#define CLUSTER_MAX 16
+
+static int is_cluster(const m3_kernel *k) {
+  const char *m = m3_variant_tilev(&k->key, "merge");
+  return m && !strcmp(m, "cluster");
+}
 
 static int is_sparse(const m3_kernel *k) { return !strcmp(k->key.op, "attn_sparse"); }
 
@@ -55,7 +63,10 @@ static void plan(const m3_kernel *k, const m3_attn_args *a, int64_t max_kv_len, 
   const int64_t pairs = (int64_t)(a->n_tokens > 0 ? a->n_tokens : 1) * a->nkv;
   const int64_t target = (int64_t)(sm_count > 0 ? sm_count : 1) * C;
   int64_t s = (target + pairs - 1) / pairs;
-  const int64_t by_tiles = (tiles + W - 1) / W, cap = W * SPLITS_PER_WARP;
+  /* A cluster is as wide as the part can place at this tile's size (a GPC's
+   * free SMs: 16 on an H100 SXM; 0 = the driver cannot tell). */
+  const int64_t ccap = k->max_cluster > 0 && k->max_cluster < CLUSTER_MAX ? k->max_cluster : CLUSTER_MAX;
+  const int64_t by_tiles = (tiles + W - 1) / W, cap = is_cluster(k) ? ccap : W * SPLITS_PER_WARP;
   if (s > by_tiles) s = by_tiles;
   if (s > cap) s = cap;
   if (s < 1) s = 1;
@@ -75,7 +86,7 @@ size_t m3_attn_workspace_bytes(const m3_kernel *k, const m3_attn_args *a, int64_
   if (!k || !a || !is_decode(k) || a->nkv <= 0 || a->nq % a->nkv) return 0;
   int splits, chunk;
   plan(k, a, max_kv_len, sm_count, &splits, &chunk);
-  if (splits <= 1) return 0;
+  if (splits <= 1 || is_cluster(k)) return 0; /* a cluster merges in distributed shared memory */
   size_t cb, ob, mb;
   layout(a, splits, &cb, &ob, &mb);
   return cb + ob + mb;
@@ -155,7 +166,10 @@ m3_status m3_attn_prepare(const m3_kernel *k, const m3_attn_args *a, const m3_se
   c->grid[0] = (unsigned)splits;
   c->grid[1] = (unsigned)a->nkv;
   c->grid[2] = (unsigned)a->n_tokens;
-  if (splits > 1) {
+  c->cluster = 1;
+  if (splits > 1 && is_cluster(k)) {
+    c->cluster = (unsigned)splits;
+  } else if (splits > 1) {
     size_t cb, ob, mb;
     layout(a, splits, &cb, &ob, &mb);
     if (!ws || ws_bytes < cb + ob + mb)
@@ -175,7 +189,8 @@ static m3_status launch(const m3_kernel *k, const m3_attn_call *c, cudaStream_t 
                   (void *)&c->positions, (void *)&c->sel,       (void *)&c->out,         (void *)&c->counters,
                   (void *)&c->part_o,    (void *)&c->part_ml,   (void *)&c->chunk,       (void *)&c->n_tokens,
                   (void *)&c->scale2};
-  return m3_launch(&k->mod, c->grid[0], c->grid[1], c->grid[2], (CUstream)stream, args, e);
+  return m3_launch_cluster(&k->mod, c->grid[0], c->grid[1], c->grid[2], c->cluster ? c->cluster : 1, (CUstream)stream,
+                           args, e);
 }
 
 m3_status m3_launch_attn_sparse(const m3_kernel *k, const m3_attn_args *a, const m3_seq_batch *b,

@@ -52,7 +52,9 @@ m3_status m3_attn_dense_key(const m3_attn_args *a, m3_attn_mode mode, m3_variant
 
 /* Bytes of split-K workspace a decode launch of kernel k needs for a->n_tokens
  * tokens whose visible lengths are all <= max_kv_len, filling sm_count SMs
- * (m3_rt.dev.sm_count).  0 when one split suffices, and always 0 for prefill.
+ * (m3_rt.dev.sm_count).  0 when one split suffices, always 0 for prefill, and
+ * 0 for a merge=cluster tile (its splits, at most 16, are one thread-block
+ * cluster and merge through distributed shared memory).
  * The split plan depends only on these inputs and k's tile, so a workspace
  * sized here fits every launch with the same or smaller arguments.
  * Layout: [M3_ATTN_MAX_DECODE_TOKENS * nkv] int32 arrival counters (256-byte
@@ -73,6 +75,7 @@ m3_status m3_attn_workspace_init(void *ws, size_t bytes, cudaStream_t stream, m3
 typedef struct m3_attn_call {
   unsigned grid[3];
   int splits;                 /* decode: CTAs per (token, KV head) = grid[0]; prefill: 0 */
+  unsigned cluster;           /* CTAs per thread-block cluster along x: splits with merge=cluster, else 1 */
   /* kernel arguments */
   const void *q, *kv;
   const int32_t *block_table;

@@ -22,7 +22,7 @@ T.tiles = {
   {"cvt", {"alu", "hw"}},          -- e4m3 cache -> fp16: bit moves, or cvt.rn.f16x2.e4m3x2
   {"lead", {0, 1}},                -- decode: 1 = the token's metadata and an L2 prefetch of its first tiles before
                                    -- the grid wait (lib/attn_mma.lua; attn_sparse has no such tile: it reads sel first)
-  {"merge", {"fence", "acqrel"}},  -- decode: how a split hands over to the last CTA's merge (lib/attn_mma.lua MERGE)
+  {"merge", {"fence", "acqrel", "cluster"}},  -- decode: how the splits merge: a hand-over to the last CTA (fence, acqrel), or a thread-block cluster (lib/attn_mma.lua MERGE)
 }
 
 function T.valid(k, t, arch)

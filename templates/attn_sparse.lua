@@ -21,7 +21,7 @@ T.tiles = {
   {"ctas", {1, 2, 4}},              -- decode: split-K target CTAs per SM (fill the GPU at batch 1)
   {"depth", {1, 2}},                -- decode: K/V tiles in flight a warp (lib/attn_mma.lua attend)
   {"cvt", {"alu", "hw"}},           -- e4m3 cache -> fp16: bit moves, or cvt.rn.f16x2.e4m3x2
-  {"merge", {"fence", "acqrel"}},  -- decode: how a split hands over to the last CTA's merge (lib/attn_mma.lua MERGE)
+  {"merge", {"fence", "acqrel", "cluster"}},  -- decode: how the splits merge: a hand-over to the last CTA (fence, acqrel), or a thread-block cluster (lib/attn_mma.lua MERGE)
 }
 
 function T.valid(k, t, arch)

@@ -215,8 +215,10 @@ static size_t g_ws_bytes;
 /* The SM count the launches plan for (0: the device's): a larger one gives
  * the emulator's 4 SMs the GPU's split plans. */
 static int g_sm;
-/* Splits per (token, KV head) of the last decode launch (prob_gpu). */
+/* Splits per (token, KV head) of the last decode launch (prob_gpu), and its
+ * thread-block cluster width (1: none). */
 static int g_splits;
+static unsigned g_cluster;
 
 /* Runs the GPU kernel; returns the downloaded output (malloc'd). */
 static m3_bf16 *prob_gpu(prob *p, int sparse, m3_attn_mode mode, const char *tile, char *ctx, size_t nctx) {
@@ -241,12 +243,14 @@ static m3_bf16 *prob_gpu(prob *p, int sparse, m3_attn_mode mode, const char *til
   const size_t nout = (size_t)p->n_tokens * p->c.nq * HD;
   GPU_CHECK(m3_dev_poison(p->d_out, nout * 2, &e_));
   g_splits = 0;
+  g_cluster = 0;
   if (mode == M3_ATTN_DECODE) {
     m3_attn_call c;
     GPU_CHECK(m3_attn_prepare(k, &a, &b, p->max_kv_len, sm, p->d_q, p->d_kv, sparse ? p->d_sel : NULL, p->d_out,
                               g_ws, g_ws_bytes, &c, &e_));
     g_splits = c.splits;
-    if (c.splits > 1) {
+    g_cluster = c.cluster;
+    if (c.splits > 1 && c.part_o) { /* merge=cluster has no partials in memory */
       const size_t part = (size_t)p->n_tokens * p->c.nkv * (size_t)c.splits * (size_t)(p->c.nq / p->c.nkv);
       GPU_CHECK(m3_dev_poison(c.part_o, part * HD * sizeof(float), &e_));
       GPU_CHECK(m3_dev_poison(c.part_ml, part * 2 * sizeof(float), &e_));
@@ -503,7 +507,12 @@ END_TEST
  * 2 (one batch, MERGE_U = 32); sparse into 4 and 2.  The
  * partials are poisoned before each launch (prob_gpu), so a merge that reads
  * a split before it published reads NaN.  Both hand-overs give the same
- * bits, and the reference's answer. */
+ * bits, and the reference's answer.  merge=cluster (sm_90) caps the splits at
+ * 16, one thread-block cluster per (token, KV head), and merges through
+ * distributed shared memory: the reference's answer, not the same bits (its
+ * sum over the splits runs in another order).  The emulator runs a cluster's
+ * CTAs together with poisoned shared memory, so a read of a split that has
+ * not reached the cluster barrier reads the poison there. */
 START_TEST(decode_split_merges_agree) {
   const int sparse = _i & 1, kv8 = (_i >> 1) & 1;
   const int lens[] = {1000, 70};
@@ -527,6 +536,15 @@ START_TEST(decode_split_merges_agree) {
     ck_assert_msg(!memcmp(a, b, n * 2), "%s: differs from %s", c2, c1);
     free(a);
     free(b);
+    if (g_rt.dev.cc_major >= 9) {
+      snprintf(t1, sizeof t1, "warps=%d,ctas=4,depth=1,cvt=alu%s,merge=cluster", w, lead);
+      a = prob_gpu(&p, sparse, M3_ATTN_DECODE, t1, c1, sizeof c1);
+      ck_assert_msg(g_splits == (sparse ? (w == 1 ? 4 : 2) : 16) && g_cluster == (unsigned)g_splits,
+                    "%s: %d splits in clusters of %u planned, expected %d in one cluster", c1, g_splits, g_cluster,
+                    sparse ? (w == 1 ? 4 : 2) : 16);
+      expect_close(a, ref, n, "merge=cluster", c1);
+      free(a);
+    }
   }
   g_sm = 0;
   free(ref);
@@ -568,6 +586,49 @@ END_TEST
 
 /* Launch-time argument checks: a key/argument mismatch and a missing
  * workspace are errors, never a silent wrong launch. */
+/* merge=cluster's plan: a (token, KV head)'s splits are one cluster, as wide
+ * as the part can place (m3_kernel.max_cluster, from the driver's cluster
+ * occupancy; the emulator and an H100 SXM place 16), with no workspace.  A
+ * part that places fewer (a GPC with fewer free SMs, a MIG slice) gets fewer,
+ * wider splits instead of a launch that fails. */
+START_TEST(cluster_plan_fits_the_part) {
+  if (g_rt.dev.cc_major < 9) return; /* thread-block clusters are sm_90+ */
+  const int lens[] = {5000};
+  prob p;
+  prob_make(&p, M3, 0, lens, 1, 0, 0, 0, 1.0f, 810);
+  prob_select(&p, 0, 810);
+  prob_upload(&p);
+  m3_attn_args a = prob_args(&p);
+  m3_seq_batch b = {p.n_seqs, p.d_seq_lens, (const int32_t *)((char *)p.d_bt_alloc + 4096), p.bt_stride, p.pages,
+                    p.d_token_seq, p.d_pos};
+  m3_variant v;
+  m3_err e;
+  m3_kernel *k;
+  ck_assert_int_eq(m3_attn_dense_key(&a, M3_ATTN_DECODE, &v, &e), M3_OK);
+  ck_assert_int_eq(m3_variant_parse_tile(&v, "warps=8,ctas=1,depth=1,cvt=alu,lead=0,merge=cluster", &e), M3_OK);
+  GPU_CHECK(m3_rt_kernel(&g_rt, &v, NULL, &k, &e_));
+  const int mc = k->max_cluster;
+  ck_assert_msg(mc == 0 || mc == 1 || mc == 2 || mc == 4 || mc == 8 || mc == 16, "max_cluster %d", mc);
+  if (m3_test_emulated()) ck_assert_int_eq(mc, 16);
+  ck_assert_uint_eq(m3_attn_workspace_bytes(k, &a, p.max_kv_len, 132), 0);
+  m3_attn_call c;
+  GPU_CHECK(m3_attn_prepare(k, &a, &b, p.max_kv_len, 132, p.d_q, p.d_kv, NULL, p.d_out, NULL, 0, &c, &e_));
+  ck_assert_int_eq(c.splits, mc == 0 || mc == 16 ? 16 : mc);
+  ck_assert_uint_eq(c.cluster, c.splits > 1 ? (unsigned)c.splits : 1u);
+  m3_kernel narrow = *k; /* as on a part that places 4 */
+  narrow.max_cluster = 4;
+  GPU_CHECK(m3_attn_prepare(&narrow, &a, &b, p.max_kv_len, 132, p.d_q, p.d_kv, NULL, p.d_out, NULL, 0, &c, &e_));
+  ck_assert_int_eq(c.splits, 4);
+  ck_assert_uint_eq(c.cluster, 4);
+  ck_assert_int_ge((int64_t)c.chunk * c.splits, 5000);
+  narrow.max_cluster = 1; /* none fits: one CTA a (token, KV head), no cluster */
+  GPU_CHECK(m3_attn_prepare(&narrow, &a, &b, p.max_kv_len, 132, p.d_q, p.d_kv, NULL, p.d_out, NULL, 0, &c, &e_));
+  ck_assert_int_eq(c.splits, 1);
+  ck_assert_uint_eq(c.cluster, 1);
+  prob_free(&p);
+}
+END_TEST
+
 START_TEST(launch_rejects_bad_arguments) {
   const int lens[] = {5000};
   prob p;
@@ -609,9 +670,14 @@ static Suite *make(void) {
   tcase_add_loop_test(tc, prefill_chunk_with_context, 0, 4);
   tcase_add_loop_test(tc, small_gqa_group, 0, 4);
   tcase_add_loop_test(tc, decode_ring_depths_and_cvt_agree, 0, 2);
-  tcase_add_loop_test(tc, every_valid_tile_same_answer, 0, 8);
   tcase_add_test(tc, launch_rejects_bad_arguments);
+  tcase_add_test(tc, cluster_plan_fits_the_part);
   suite_add_tcase(s, tc);
+  /* Every valid tile (CK_RUN_CASE=tiles): most of the suite's time on a GPU. */
+  TCase *tiles = tcase_create("tiles");
+  tcase_set_timeout(tiles, 3600);
+  tcase_add_loop_test(tiles, every_valid_tile_same_answer, 0, 8);
+  suite_add_tcase(s, tiles);
   /* A case of its own, so that compute-sanitizer's racecheck can take the
    * split hand-over alone (CK_RUN_CASE=merge): the whole suite under it
    * outlasts a device call. */

@@ -31,7 +31,11 @@
 --             its history; sparse: its selected blocks), the CTA's warps take
 --             interleaved 16-key tiles, merge through shared memory, and the
 --             last CTA of a (token, KV head) to finish merges the splits' fp32
---             partials (log-sum-exp) - one kernel, no second launch.
+--             partials (log-sum-exp) - one kernel, no second launch.  With
+--             tile merge=cluster (sm_90) the splits (at most 16) are one
+--             thread-block cluster instead: each keeps its partial in shared
+--             memory and, after a cluster barrier, merges 1/nsplit of the
+--             output from all of them through distributed shared memory.
 --   prefill - grid (token groups, nkv): each warp owns one query token and
 --             walks all its keys; the CTA's warps are consecutive tokens, so
 --             they read the same K/V tiles and mostly hit L1.
@@ -492,11 +496,11 @@ $wait_late
       const float inv = sL[r] > 0 ? 1.0f / sL[r] : 0.0f;
       st_bf16x4(out + (t * NQ + g * GQ + r) * HD + d, a0 * inv, a1 * inv, a2 * inv, a3 * inv);
     } else {
-      *(float4 *)(po + r * HD + d) = make_float4(a0, a1, a2, a3);
+      $partial_store
     }
   }
   if (nsplit == 1) return;
-  if (threadIdx.x < GQ) {
+$cluster_merge  if (threadIdx.x < GQ) {
     float *pm = part_ml + ((pair * gridDim.x + s) * GQ + threadIdx.x) * 2;
     pm[0] = sM[threadIdx.x];
     pm[1] = sL[threadIdx.x];
@@ -826,6 +830,88 @@ local LEAD_WAIT = [[
 -- merging CTA's first partials together with (m, l), one L2 round trip
 -- less, measured slower in those runs: its registers cost the e4m3 tiles
 -- an SM's third CTA and its predicated loads more issue than they saved.)
+local CLUSTER_DEFS = [[
+/* Thread-block clusters (sm_90): the barrier over all CTAs of the cluster
+ * (release/acquire: shared-memory stores before it are seen by every CTA's
+ * loads after it), the cluster's size, and loads from the shared memory of
+ * the cluster's CTA `rank` at the address p has in this CTA's (mapa). */
+#define CLUSTER_MAX 16
+#ifdef __CUDA_ARCH__
+M3_DEV void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+M3_DEV unsigned cluster_nctarank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+  return r;
+}
+M3_DEV unsigned dsmem_addr(const void *p, unsigned rank) {
+  unsigned a, d;
+  asm("{ .reg .u64 g; cvta.to.shared.u64 g, %1; cvt.u32.u64 %0, g; }" : "=r"(a) : "l"(p));
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(rank));
+  return d;
+}
+M3_DEV float ld_dsmem(const float *p, unsigned rank) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(dsmem_addr(p, rank)) : "memory");
+  return v;
+}
+M3_DEV float4 ld_dsmem4(const float *p, unsigned rank) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(dsmem_addr(p, rank)) : "memory");
+  return v;
+}
+#else /* the CPU emulator runs a cluster's CTAs together (docs/emulator.md) */
+M3_DEV void cluster_sync() { m3emu_cluster_sync(); }
+M3_DEV unsigned cluster_nctarank() { return m3emu_cluster_nctarank(); }
+M3_DEV float ld_dsmem(const float *p, unsigned rank) { return *m3emu_map_shared(p, rank); }
+M3_DEV float4 ld_dsmem4(const float *p, unsigned rank) { return *(const float4 *)m3emu_map_shared(p, rank); }
+#endif
+]]
+
+-- merge=cluster's merge, after the CTA's own (the global path below it is
+-- then dead code); its partial stays in shared memory (MERGE.cluster.store).
+local CLUSTER_MERGE = [[
+  /* Tile merge=cluster: this (token, KV head)'s splits are the CTAs of one
+   * thread-block cluster (the launcher makes the cluster gridDim.x wide).
+   * After one cluster barrier every split's partial, sM and sL are read
+   * through distributed shared memory, and each split merges its own
+   * 1/nsplit of the [GQ, HD] output: no workspace, no hand-over atomic, no
+   * L2 round trips (the global merge below has three after the last split). */
+  if (cluster_nctarank() != gridDim.x) __trap(); /* launched without the cluster: DSMEM below would be wrong */
+  cluster_sync();
+  {
+    const int G4 = GQ * HD / 4, per = (G4 + nsplit - 1) / nsplit;
+    const int hi = (s + 1) * per < G4 ? (s + 1) * per : G4;
+    for (int e4 = s * per + threadIdx.x; e4 < hi; e4 += NW * 32) {
+      const int r = e4 / (HD / 4), d = 4 * (e4 % (HD / 4));
+      float mk[CLUSTER_MAX];
+      float M = neg_inf();
+#pragma unroll
+      for (int k = 0; k < CLUSTER_MAX; k++) {
+        mk[k] = k < nsplit ? ld_dsmem(sM + r, (unsigned)k) : neg_inf();
+        M = fmaxf(M, mk[k]);
+      }
+      float L = 0, a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+#pragma unroll
+      for (int k = 0; k < CLUSTER_MAX; k++) {
+        if (k >= nsplit) continue;
+        const float fk = mk[k] == neg_inf() ? 0.0f : ex2(mk[k] - M);
+        const float4 v = ld_dsmem4(so + r * SO + so_col(d), (unsigned)k);
+        L += fk * ld_dsmem(sL + r, (unsigned)k);
+        a0 += fk * v.x; a1 += fk * v.y; a2 += fk * v.z; a3 += fk * v.w;
+      }
+      const float inv = L > 0 ? 1.0f / L : 0.0f;
+      st_bf16x4(out + (t * NQ + g * GQ + r) * HD + d, a0 * inv, a1 * inv, a2 * inv, a3 * inv);
+    }
+  }
+  cluster_sync(); /* no CTA leaves while another may still read its shared memory */
+  return;
+]]
+
+local GLOBAL_STORE = "*(float4 *)(po + r * HD + d) = make_float4(a0, a1, a2, a3);"
+
 local MERGE = {
   fence = {defs = "", publish = [[
   /* Last CTA of this (token, KV head) merges: partials are published before
@@ -865,6 +951,8 @@ M3_DEV int atom_add_acq_rel(int *p, int v) {
   __syncthreads(); /* and thread 0's acquire before every thread's reads of the other splits' */
   if (!*sflag) return;
 ]]},
+  cluster = {defs = CLUSTER_DEFS, publish = "", merge = CLUSTER_MERGE,
+             store = "*(float4 *)(so + r * SO + so_col(d)) = make_float4(a0, a1, a2, a3); /* warp 0's row r: only this thread read it */"},
 }
 
 -- Dynamic shared memory of a tile (bytes): decode merges NW warps' fp32
@@ -894,6 +982,9 @@ function A.valid_common(k, t, arch)
   if t.merge ~= "fence" and k.mode ~= "decode" then
     return false, "merge (the split-K hand-over) applies to decode only: use merge=fence for prefill"
   end
+  if t.merge == "cluster" and m3.sm(arch) < 90 then
+    return false, "merge=cluster merges in a thread-block cluster's distributed shared memory (sm_90+)"
+  end
   if t.lead == 1 and k.mode ~= "decode" then return false, "lead=1 is for the decode schedule (prefill has no lead-in)" end
   if t.lead == 1 and m3.sm(arch) < 90 then return false, "lead=1 overlaps the previous kernel through programmatic dependent launch (sm_90+)" end
   if t.depth ~= 1 and k.kv ~= "e4m3" then
@@ -911,6 +1002,7 @@ function A.render(k, t, arch, sym, sparse, topk)
     wait_top = t.lead == 1 and LEAD_IN or WAIT, wait_late = t.lead == 1 and LEAD_WAIT or "",
     lead_defs = t.lead == 1 and LEAD.defs or "", -- attn_sparse has no lead axis (t.lead nil): it reads sel first
     merge_defs = MERGE[t.merge].defs, publish = MERGE[t.merge].publish,
+    cluster_merge = MERGE[t.merge].merge or "", partial_store = MERGE[t.merge].store or GLOBAL_STORE,
     attend = t.depth > 1 and ("attend_ring<" .. t.depth .. ">") or "attend",
   }
   local src = A.body:gsub("%$([%w_]+)", function(n)
