@@ -190,9 +190,12 @@ int m3_module_resident_ctas(const m3_module *m) {
 }
 
 int m3_module_max_cluster(const m3_module *m) {
-  if (!m->fn || m3_drv.cuFuncSetAttribute(m->fn, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1) != CUDA_SUCCESS)
-    return 0;
-  for (unsigned c = 16; c >= 2; c /= 2) {
+  if (!m->fn) return 0;
+  /* Without the non-portable sizes only 8 and below are asked. */
+  const unsigned top =
+      m3_drv.cuFuncSetAttribute(m->fn, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1) == CUDA_SUCCESS ? 16 : 8;
+  int answered = 0;
+  for (unsigned c = top; c >= 2; c /= 2) {
     CUlaunchAttribute at;
     memset(&at, 0, sizeof at);
     at.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
@@ -205,8 +208,9 @@ int m3_module_max_cluster(const m3_module *m) {
     cfg.attrs = &at;
     cfg.numAttrs = 1;
     int n = 0;
-    if (m3_drv.cuOccupancyMaxActiveClusters(&n, m->fn, &cfg) != CUDA_SUCCESS) return 0;
+    if (m3_drv.cuOccupancyMaxActiveClusters(&n, m->fn, &cfg) != CUDA_SUCCESS) continue; /* a size it rejects */
+    answered = 1;
     if (n >= 1) return (int)c;
   }
-  return 1;
+  return answered ? 1 : 0;
 }

@@ -84,7 +84,9 @@ int m3_module_resident_ctas(const m3_module *m);
  * module m (at its block size and dynamic shared memory) can have at least
  * one resident at once (cuOccupancyMaxActiveClusters, after allowing the
  * non-portable sizes): 16 on an H100 SXM, less where a GPC has fewer free
- * SMs (other parts, MIG slices).  1: none fits; 0: the driver cannot tell. */
+ * SMs (other parts, MIG slices); sizes the driver rejects (the non-portable
+ * ones where it refuses them) are skipped.  1: none fits; 0: the driver
+ * answered for no size (callers then keep to the portable 8). */
 int m3_module_max_cluster(const m3_module *m);
 
 #endif

@@ -590,7 +590,8 @@ END_TEST
  * as the part can place (m3_kernel.max_cluster, from the driver's cluster
  * occupancy; the emulator and an H100 SXM place 16), with no workspace.  A
  * part that places fewer (a GPC with fewer free SMs, a MIG slice) gets fewer,
- * wider splits instead of a launch that fails. */
+ * wider splits instead of a launch that fails, and one whose driver cannot
+ * tell gets the portable 8. */
 START_TEST(cluster_plan_fits_the_part) {
   if (g_rt.dev.cc_major < 9) return; /* thread-block clusters are sm_90+ */
   const int lens[] = {5000};
@@ -613,7 +614,7 @@ START_TEST(cluster_plan_fits_the_part) {
   ck_assert_uint_eq(m3_attn_workspace_bytes(k, &a, p.max_kv_len, 132), 0);
   m3_attn_call c;
   GPU_CHECK(m3_attn_prepare(k, &a, &b, p.max_kv_len, 132, p.d_q, p.d_kv, NULL, p.d_out, NULL, 0, &c, &e_));
-  ck_assert_int_eq(c.splits, mc == 0 || mc == 16 ? 16 : mc);
+  ck_assert_int_eq(c.splits, mc == 0 ? 8 : mc); /* 0: the driver could not tell, the portable 8 */
   ck_assert_uint_eq(c.cluster, c.splits > 1 ? (unsigned)c.splits : 1u);
   m3_kernel narrow = *k; /* as on a part that places 4 */
   narrow.max_cluster = 4;
@@ -621,6 +622,14 @@ START_TEST(cluster_plan_fits_the_part) {
   ck_assert_int_eq(c.splits, 4);
   ck_assert_uint_eq(c.cluster, 4);
   ck_assert_int_ge((int64_t)c.chunk * c.splits, 5000);
+  narrow.max_cluster = 0; /* the driver could not tell */
+  GPU_CHECK(m3_attn_prepare(&narrow, &a, &b, p.max_kv_len, 132, p.d_q, p.d_kv, NULL, p.d_out, NULL, 0, &c, &e_));
+  ck_assert_int_eq(c.splits, 8);
+  ck_assert_uint_eq(c.cluster, 8);
+  /* Cluster widths the launch refuses before the driver sees them. */
+  ck_assert_int_eq(m3_launch_cluster(&k->mod, 10, 1, 1, 4, (CUstream)g_rt.stream, NULL, &e), M3_INVAL);
+  ck_assert_int_eq(m3_launch_cluster(&k->mod, 17, 1, 1, 17, (CUstream)g_rt.stream, NULL, &e), M3_INVAL);
+  ck_assert_int_eq(m3_launch_cluster(&k->mod, 16, 1, 1, 0, (CUstream)g_rt.stream, NULL, &e), M3_INVAL);
   narrow.max_cluster = 1; /* none fits: one CTA a (token, KV head), no cluster */
   GPU_CHECK(m3_attn_prepare(&narrow, &a, &b, p.max_kv_len, 132, p.d_q, p.d_kv, NULL, p.d_out, NULL, 0, &c, &e_));
   ck_assert_int_eq(c.splits, 1);
