@@ -586,6 +586,18 @@ END_TEST
 
 /* Launch-time argument checks: a key/argument mismatch and a missing
  * workspace are errors, never a silent wrong launch. */
+/* One bf16 sequence of 5000 tokens, uploaded, for the launch-side cases:
+ * its arguments and its device batch. */
+static void prob_5000(prob *p, uint64_t seed, m3_attn_args *a, m3_seq_batch *b) {
+  const int lens[] = {5000};
+  prob_make(p, M3, 0, lens, 1, 0, 0, 0, 1.0f, seed);
+  prob_select(p, 0, seed);
+  prob_upload(p);
+  *a = prob_args(p);
+  *b = (m3_seq_batch){p->n_seqs, p->d_seq_lens, (const int32_t *)((char *)p->d_bt_alloc + 4096), p->bt_stride,
+                      p->pages, p->d_token_seq, p->d_pos};
+}
+
 /* merge=cluster's plan: a (token, KV head)'s splits are one cluster, as wide
  * as the part can place (m3_kernel.max_cluster, from the driver's cluster
  * occupancy; the emulator and an H100 SXM place 16), with no workspace.  A
@@ -594,14 +606,10 @@ END_TEST
  * tell gets the portable 8. */
 START_TEST(cluster_plan_fits_the_part) {
   if (g_rt.dev.cc_major < 9) return; /* thread-block clusters are sm_90+ */
-  const int lens[] = {5000};
   prob p;
-  prob_make(&p, M3, 0, lens, 1, 0, 0, 0, 1.0f, 810);
-  prob_select(&p, 0, 810);
-  prob_upload(&p);
-  m3_attn_args a = prob_args(&p);
-  m3_seq_batch b = {p.n_seqs, p.d_seq_lens, (const int32_t *)((char *)p.d_bt_alloc + 4096), p.bt_stride, p.pages,
-                    p.d_token_seq, p.d_pos};
+  m3_attn_args a;
+  m3_seq_batch b;
+  prob_5000(&p, 810, &a, &b);
   m3_variant v;
   m3_err e;
   m3_kernel *k;
@@ -639,14 +647,10 @@ START_TEST(cluster_plan_fits_the_part) {
 END_TEST
 
 START_TEST(launch_rejects_bad_arguments) {
-  const int lens[] = {5000};
   prob p;
-  prob_make(&p, M3, 0, lens, 1, 0, 0, 0, 1.0f, 800);
-  prob_select(&p, 0, 800);
-  prob_upload(&p);
-  m3_attn_args a = prob_args(&p);
-  m3_seq_batch b = {p.n_seqs, p.d_seq_lens, (const int32_t *)((char *)p.d_bt_alloc + 4096), p.bt_stride, p.pages,
-                    p.d_token_seq, p.d_pos};
+  m3_attn_args a;
+  m3_seq_batch b;
+  prob_5000(&p, 800, &a, &b);
   /* Plan as on the H200 (132 SMs) so decode splits and needs a workspace,
    * also on the emulator's 4 SMs. */
   const int sms = 132;
