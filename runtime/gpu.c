@@ -175,8 +175,10 @@ m3_status m3_launch_cluster(const m3_module *m, unsigned gx, unsigned gy, unsign
   }
   if (r != CUDA_SUCCESS) {
     m3_cu_fail(e, r, call, __FILE__, __LINE__);
-    return m3_err_prefix(e, "%s grid (%u,%u,%u) cluster %u block %d smem %d: ", m->entry, gx, gy, gz, cluster_x,
-                         m->threads, m->smem);
+    char cl[32] = "";
+    if (cluster_x > 1) snprintf(cl, sizeof cl, " cluster %u", cluster_x);
+    return m3_err_prefix(e, "%s grid (%u,%u,%u)%s block %d smem %d: ", m->entry, gx, gy, gz, cl, m->threads,
+                         m->smem);
   }
   return M3_OK;
 }
