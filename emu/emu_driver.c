@@ -15,6 +15,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <xxhash.h>
+
 #include "emu/emu.h"
 #include "runtime/cuda_driver.h"
 #include "runtime/embedded.h"
@@ -27,13 +29,10 @@
  * unit per image, so nothing else changes. */
 #define EMU_GXX_FLAGS "-std=c++17 -O1 -fPIC -shared -fno-strict-aliasing -fno-weak"
 /* The options text enters the cubin-cache key (runtime/jit.c): an image is
- * reused only by a build whose options text is the same.  "abi 2": images
- * built against the header of per-block dynamic shared memory and clusters
- * (older ones had a static dynamic-shared buffer and no m3emu_static_smem);
- * the installed text also carries a hash of the embedded headers
- * (m3emu_install), so a header change never reuses an image built against
- * the old one. */
-#define EMU_OPTIONS "emu abi 2: g++ " EMU_GXX_FLAGS " -include m3emu.h"
+ * reused only by a build whose options text is the same.  The installed text
+ * also carries a hash of the embedded headers (m3emu_install), so a header
+ * change (the ABI an image is built against) never reuses an older image. */
+#define EMU_OPTIONS "emu: g++ " EMU_GXX_FLAGS " -include m3emu.h"
 
 /* static_smem: bytes of static __shared__ variables in the image (section
  * m3emu_shared, see m3emu.h). */
@@ -223,17 +222,45 @@ static CUresult launch(emu_func *ef, unsigned gx, unsigned gy, unsigned gz, unsi
   return CUDA_SUCCESS;
 }
 
-/* Clusters: as cuLaunchKernelEx's rules (x only, 1..16, above 8 with the
- * non-portable attribute) - one resident at a time, as the emulator runs
- * them; 0 for a size it would refuse. */
-static CUresult e_cuOccupancyMaxActiveClusters(int *n, CUfunction f, const CUlaunchConfig *c) {
-  *n = 0;
+/* The cluster dimension of a launch configuration, checked against the
+ * driver's rules on sm_90 (x only in the emulator, 1..16 blocks, above 8 with
+ * the non-portable attribute): CUDA_SUCCESS with *cx, or the error code with
+ * its message set.  For cuLaunchKernelEx and the cluster occupancy query. */
+static CUresult cluster_dim(const emu_func *ef, const CUlaunchConfig *c, unsigned *cx) {
   unsigned x = 1, y = 1, z = 1;
   for (unsigned i = 0; i < c->numAttrs; i++)
     if (c->attrs[i].id == CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
       x = c->attrs[i].value.clusterDim.x, y = c->attrs[i].value.clusterDim.y, z = c->attrs[i].value.clusterDim.z;
-  if (y == 1 && z == 1 && x >= 1 && x <= 16 && (x <= 8 || ((emu_func *)f)->nonportable)) *n = 1;
+  *cx = x;
+  if (x == 0) {
+    m3emu_set_error("%s: cluster dimension (%u,%u,%u)", ef->name, x, y, z);
+    return CUDA_ERROR_INVALID_CLUSTER_SIZE;
+  }
+  if (y != 1 || z != 1) {
+    m3emu_set_error("%s: cluster dimension (%u,%u,%u): the emulator supports clusters along x only", ef->name, x, y, z);
+    return CUDA_ERROR_NOT_SUPPORTED;
+  }
+  if (x > 16) {
+    m3emu_set_error("%s: cluster of %u blocks (16 at most on sm_90)", ef->name, x);
+    return CUDA_ERROR_INVALID_CLUSTER_SIZE;
+  }
+  if (x > 8 && !ef->nonportable) {
+    m3emu_set_error("%s: cluster of %u blocks needs CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED (8 is the "
+                    "portable limit)",
+                    ef->name, x);
+    return CUDA_ERROR_INVALID_CLUSTER_SIZE;
+  }
   return CUDA_SUCCESS;
+}
+
+/* One cluster of any size cluster_dim() accepts is resident at a time, as the
+ * emulator runs them; a size it refuses is its error. */
+static CUresult e_cuOccupancyMaxActiveClusters(int *n, CUfunction f, const CUlaunchConfig *c) {
+  unsigned cx;
+  *n = 0;
+  CUresult r = cluster_dim((const emu_func *)f, c, &cx);
+  if (r == CUDA_SUCCESS) *n = 1;
+  return r;
 }
 
 static CUresult e_cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
@@ -248,32 +275,9 @@ static CUresult e_cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigne
 static CUresult e_cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **args, void **extra) {
   (void)extra;
   emu_func *ef = (emu_func *)f;
-  unsigned cx = 1, cy = 1, cz = 1;
-  for (unsigned i = 0; i < c->numAttrs; i++)
-    if (c->attrs[i].id == CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION) {
-      cx = c->attrs[i].value.clusterDim.x;
-      cy = c->attrs[i].value.clusterDim.y;
-      cz = c->attrs[i].value.clusterDim.z;
-    }
-  if (cx == 0) {
-    m3emu_set_error("%s: cluster dimension (%u,%u,%u)", ef->name, cx, cy, cz);
-    return CUDA_ERROR_INVALID_CLUSTER_SIZE;
-  }
-  if (cy != 1 || cz != 1) {
-    m3emu_set_error("%s: cluster dimension (%u,%u,%u): the emulator supports clusters along x only", ef->name, cx, cy,
-                    cz);
-    return CUDA_ERROR_NOT_SUPPORTED;
-  }
-  if (cx > 16) {
-    m3emu_set_error("%s: cluster of %u blocks (16 at most on sm_90)", ef->name, cx);
-    return CUDA_ERROR_INVALID_CLUSTER_SIZE;
-  }
-  if (cx > 8 && !ef->nonportable) {
-    m3emu_set_error("%s: cluster of %u blocks needs CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED (8 is the "
-                    "portable limit)",
-                    ef->name, cx);
-    return CUDA_ERROR_INVALID_CLUSTER_SIZE;
-  }
+  unsigned cx;
+  CUresult r = cluster_dim(ef, c, &cx);
+  if (r != CUDA_SUCCESS) return r;
   if (c->gridDimX % cx) {
     m3emu_set_error("%s: cluster of %u blocks does not divide the grid's %u blocks along x", ef->name, cx,
                     c->gridDimX);
@@ -630,13 +634,18 @@ __attribute__((constructor)) static void m3emu_install(void) {
       .cuOccupancyMaxActiveBlocksPerMultiprocessor = e_cuOccupancyMaxActiveBlocksPerMultiprocessor,
       .cuOccupancyMaxActiveClusters = e_cuOccupancyMaxActiveClusters,
       .cuGetErrorName = e_cuGetErrorName, .cuGetErrorString = e_cuGetErrorString};
-  /* The options text with a hash (FNV-1a 64) of the embedded headers. */
+  /* The options text with a hash of the embedded headers (names and texts). */
   static char options[256];
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (const m3_embedded *e = m3emu_headers; e->name; e++) {
-    for (const char *c = e->name; *c; c++) h = (h ^ (unsigned char)*c) * 0x100000001b3ull;
-    for (size_t i = 0; i < e->len; i++) h = (h ^ (unsigned char)e->text[i]) * 0x100000001b3ull;
+  XXH3_state_t *st = XXH3_createState();
+  unsigned long long h = 0;
+  if (st && XXH3_64bits_reset(st) == XXH_OK) {
+    for (const m3_embedded *e = m3emu_headers; e->name; e++) {
+      XXH3_64bits_update(st, e->name, strlen(e->name) + 1);
+      XXH3_64bits_update(st, e->text, e->len);
+    }
+    h = XXH3_64bits_digest(st);
   }
-  snprintf(options, sizeof options, "%s (headers %016llx)", EMU_OPTIONS, (unsigned long long)h);
+  XXH3_freeState(st);
+  snprintf(options, sizeof options, "%s (headers %016llx)", EMU_OPTIONS, h);
   m3_driver_install(&d, "m3kit CPU emulator", emu_compile, options);
 }
