@@ -136,7 +136,7 @@ m3_status m3_launch_cluster(const m3_module *m, unsigned gx, unsigned gy, unsign
   if (gx == 0 || gy == 0 || gz == 0) return M3_OK; /* empty problem */
   CUresult r;
   const char *call = "cuLaunchKernel";
-  if (cluster_x > 8) {
+  if (cluster_x > 8 && !m->nonportable) { /* a module m3_module_max_cluster never saw */
     r = m3_drv.cuFuncSetAttribute(m->fn, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1);
     if (r != CUDA_SUCCESS) {
       m3_cu_fail(e, r, "cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED)", __FILE__, __LINE__);
@@ -191,11 +191,12 @@ int m3_module_resident_ctas(const m3_module *m) {
   return n > 0 ? n : 0;
 }
 
-int m3_module_max_cluster(const m3_module *m) {
+int m3_module_max_cluster(m3_module *m) {
   if (!m->fn) return 0;
   /* Without the non-portable sizes only 8 and below are asked. */
-  const unsigned top =
-      m3_drv.cuFuncSetAttribute(m->fn, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1) == CUDA_SUCCESS ? 16 : 8;
+  m->nonportable =
+      m3_drv.cuFuncSetAttribute(m->fn, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1) == CUDA_SUCCESS;
+  const unsigned top = m->nonportable ? 16 : 8;
   int answered = 0;
   for (unsigned c = top; c >= 2; c /= 2) {
     CUlaunchAttribute at;
@@ -212,7 +213,7 @@ int m3_module_max_cluster(const m3_module *m) {
     int n = 0;
     if (m3_drv.cuOccupancyMaxActiveClusters(&n, m->fn, &cfg) != CUDA_SUCCESS) continue; /* a size it rejects */
     answered = 1;
-    if (n >= 1) return (int)c;
+    if (n >= 1) return m->max_cluster = (int)c;
   }
-  return answered ? 1 : 0;
+  return m->max_cluster = answered ? 1 : 0;
 }

@@ -45,6 +45,8 @@ typedef struct m3_module {
   CUfunction fn;
   int threads, smem;
   int pdl;             /* 1: launched with programmatic stream serialization (an sm_90+ image, unless M3KIT_PDL=0) */
+  int max_cluster;     /* m3_module_max_cluster's answer (0: not asked, or the driver could not tell) */
+  int nonportable;     /* clusters above 8 allowed: set by m3_module_max_cluster (else each such launch asks) */
   char entry[96];
 } m3_module;
 
@@ -86,7 +88,8 @@ int m3_module_resident_ctas(const m3_module *m);
  * non-portable sizes): 16 on an H100 SXM, less where a GPC has fewer free
  * SMs (other parts, MIG slices); sizes the driver rejects (the non-portable
  * ones where it refuses them) are skipped.  1: none fits; 0: the driver
- * answered for no size (callers then keep to the portable 8). */
-int m3_module_max_cluster(const m3_module *m);
+ * answered for no size (callers then keep to the portable 8).  Also kept in
+ * m->max_cluster, and m->nonportable set, so that launches do not ask again. */
+int m3_module_max_cluster(m3_module *m);
 
 #endif

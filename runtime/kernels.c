@@ -164,7 +164,7 @@ static m3_status rt_kernel_resolve(m3_rt *rt, const m3_variant *key, const m3_bu
   nk->sm_count = rt->dev.sm_count;
   nk->resident = m3_module_resident_ctas(&nk->mod);
   const char *merge = m3_variant_tilev(&v, "merge");
-  if (merge && !strcmp(merge, "cluster")) nk->max_cluster = m3_module_max_cluster(&nk->mod);
+  if (merge && !strcmp(merge, "cluster")) m3_module_max_cluster(&nk->mod); /* nk->mod.max_cluster */
   if (rt->n_kernels == rt->cap_kernels) {
     int cap = rt->cap_kernels ? rt->cap_kernels * 2 : 64;
     m3_kernel **nn = realloc(rt->kernels, sizeof *nn * (size_t)cap);

@@ -26,7 +26,6 @@ typedef struct m3_kernel {
   int from_tuning;        /* tile came from the tuning DB */
   int sm_count;           /* SMs of the device it was loaded on */
   int resident;           /* its CTAs one SM holds (m3_module_resident_ctas; 0: unknown, the emulator) */
-  int max_cluster;        /* tile merge=cluster only: m3_module_max_cluster (0: unknown, plan with 8); else 0 */
 } m3_kernel;
 
 /* Where a process's start-up time goes (warm start: issue 6 item 9), seconds

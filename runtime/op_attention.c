@@ -65,7 +65,7 @@ static void plan(const m3_kernel *k, const m3_attn_args *a, int64_t max_kv_len, 
   int64_t s = (target + pairs - 1) / pairs;
   /* A cluster is as wide as the part can place at this tile's size (a GPC's
    * free SMs: 16 on an H100 SXM); the portable 8 when the driver cannot tell. */
-  const int64_t ccap = k->max_cluster > 0 ? k->max_cluster : 8;
+  const int64_t ccap = k->mod.max_cluster > 0 ? k->mod.max_cluster : 8;
   const int64_t by_tiles = (tiles + W - 1) / W, cap = is_cluster(k) ? ccap : W * SPLITS_PER_WARP;
   if (s > by_tiles) s = by_tiles;
   if (s > cap) s = cap;

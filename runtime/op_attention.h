@@ -56,7 +56,7 @@ m3_status m3_attn_dense_key(const m3_attn_args *a, m3_attn_mode mode, m3_variant
  * 0 for a merge=cluster tile (its splits, at most 16, are one thread-block
  * cluster and merge through distributed shared memory).
  * The split plan depends only on these inputs, k's tile and (merge=cluster)
- * the cluster width k's part places (m3_kernel.max_cluster), so a workspace
+ * the cluster width k's part places (k->mod.max_cluster), so a workspace
  * sized here fits every launch with the same or smaller arguments.
  * Layout: [M3_ATTN_MAX_DECODE_TOKENS * nkv] int32 arrival counters (256-byte
  * padded), partial outputs [tokens, nkv, splits, nq/nkv, hd] fp32, partial

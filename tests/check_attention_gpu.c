@@ -599,7 +599,7 @@ static void prob_5000(prob *p, uint64_t seed, m3_attn_args *a, m3_seq_batch *b) 
 }
 
 /* merge=cluster's plan: a (token, KV head)'s splits are one cluster, as wide
- * as the part can place (m3_kernel.max_cluster, from the driver's cluster
+ * as the part can place (k->mod.max_cluster, from the driver's cluster
  * occupancy; the emulator and an H100 SXM place 16), with no workspace.  A
  * part that places fewer (a GPC with fewer free SMs, a MIG slice) gets fewer,
  * wider splits instead of a launch that fails, and one whose driver cannot
@@ -616,7 +616,7 @@ START_TEST(cluster_plan_fits_the_part) {
   ck_assert_int_eq(m3_attn_dense_key(&a, M3_ATTN_DECODE, &v, &e), M3_OK);
   ck_assert_int_eq(m3_variant_parse_tile(&v, "warps=8,ctas=1,depth=1,cvt=alu,lead=0,merge=cluster", &e), M3_OK);
   GPU_CHECK(m3_rt_kernel(&g_rt, &v, NULL, &k, &e_));
-  const int mc = k->max_cluster;
+  const int mc = k->mod.max_cluster;
   ck_assert_msg(mc == 0 || mc == 1 || mc == 2 || mc == 4 || mc == 8 || mc == 16, "max_cluster %d", mc);
   if (m3_test_emulated()) ck_assert_int_eq(mc, 16);
   ck_assert_uint_eq(m3_attn_workspace_bytes(k, &a, p.max_kv_len, 132), 0);
@@ -625,12 +625,12 @@ START_TEST(cluster_plan_fits_the_part) {
   ck_assert_int_eq(c.splits, mc == 0 ? 8 : mc); /* 0: the driver could not tell, the portable 8 */
   ck_assert_uint_eq(c.cluster, c.splits > 1 ? (unsigned)c.splits : 1u);
   m3_kernel narrow = *k; /* as on a part that places 4 */
-  narrow.max_cluster = 4;
+  narrow.mod.max_cluster = 4;
   GPU_CHECK(m3_attn_prepare(&narrow, &a, &b, p.max_kv_len, 132, p.d_q, p.d_kv, NULL, p.d_out, NULL, 0, &c, &e_));
   ck_assert_int_eq(c.splits, 4);
   ck_assert_uint_eq(c.cluster, 4);
   ck_assert_int_ge((int64_t)c.chunk * c.splits, 5000);
-  narrow.max_cluster = 0; /* the driver could not tell */
+  narrow.mod.max_cluster = 0; /* the driver could not tell */
   GPU_CHECK(m3_attn_prepare(&narrow, &a, &b, p.max_kv_len, 132, p.d_q, p.d_kv, NULL, p.d_out, NULL, 0, &c, &e_));
   ck_assert_int_eq(c.splits, 8);
   ck_assert_uint_eq(c.cluster, 8);
@@ -638,7 +638,7 @@ START_TEST(cluster_plan_fits_the_part) {
   ck_assert_int_eq(m3_launch_cluster(&k->mod, 10, 1, 1, 4, (CUstream)g_rt.stream, NULL, &e), M3_INVAL);
   ck_assert_int_eq(m3_launch_cluster(&k->mod, 17, 1, 1, 17, (CUstream)g_rt.stream, NULL, &e), M3_INVAL);
   ck_assert_int_eq(m3_launch_cluster(&k->mod, 16, 1, 1, 0, (CUstream)g_rt.stream, NULL, &e), M3_INVAL);
-  narrow.max_cluster = 1; /* none fits: one CTA a (token, KV head), no cluster */
+  narrow.mod.max_cluster = 1; /* none fits: one CTA a (token, KV head), no cluster */
   GPU_CHECK(m3_attn_prepare(&narrow, &a, &b, p.max_kv_len, 132, p.d_q, p.d_kv, NULL, p.d_out, NULL, 0, &c, &e_));
   ck_assert_int_eq(c.splits, 1);
   ck_assert_uint_eq(c.cluster, 1);
