@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "runtime/bench.h"
+#include "runtime/check.h"
 #include "runtime/harness.h"
 #include "runtime/op_indexer.h"
 
@@ -40,59 +41,6 @@ static m3_status launch_one(void *arg, int rep, m3_err *e) {
                                 c->ws_bytes, c->rt->stream, e);
 }
 
-#define CUDA_TRY(e, call)                                                                        \
-  do {                                                                                           \
-    cudaError_t r_ = (call);                                                                     \
-    if (r_ != cudaSuccess) return m3_errf(e, M3_CUDA, "%s: %s", #call, cudaGetErrorString(r_)); \
-  } while (0)
-
-/* Per-launch time of a graph of the R rotations back to back. */
-static m3_status graph_time(icase *c, int reps, m3_timing *t, m3_err *e) {
-  cudaGraph_t g;
-  cudaGraphExec_t x;
-  cudaStream_t s = c->rt->stream;
-  CUDA_TRY(e, cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  m3_status st = M3_OK;
-  for (int r = 0; r < c->R && !st; r++) st = launch_one(c, r, e);
-  cudaError_t ce = cudaStreamEndCapture(s, &g);
-  if (st) return st;
-  if (ce != cudaSuccess) return m3_errf(e, M3_CUDA, "cudaStreamEndCapture: %s", cudaGetErrorString(ce));
-  ce = cudaGraphInstantiate(&x, g, 0);
-  if (ce != cudaSuccess) {
-    cudaGraphDestroy(g);
-    return m3_errf(e, M3_CUDA, "cudaGraphInstantiate: %s", cudaGetErrorString(ce));
-  }
-  double *us = malloc(sizeof *us * reps);
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  for (int i = 0; i < 3 && !st; i++)
-    if (cudaGraphLaunch(x, s) != cudaSuccess) st = m3_errf(e, M3_CUDA, "cudaGraphLaunch");
-  for (int i = 0; i < reps && !st; i++) {
-    float ms = 0;
-    cudaEventRecord(a, s);
-    if (cudaGraphLaunch(x, s) != cudaSuccess) st = m3_errf(e, M3_CUDA, "cudaGraphLaunch");
-    cudaEventRecord(b, s);
-    if (!st && cudaEventSynchronize(b) != cudaSuccess) st = m3_errf(e, M3_CUDA, "graph replay failed");
-    cudaEventElapsedTime(&ms, a, b);
-    us[i] = 1000.0 * ms / c->R;
-  }
-  if (!st) { /* insertion sort: reps is small */
-    for (int i = 1; i < reps; i++)
-      for (int j = i; j > 0 && us[j] < us[j - 1]; j--) {
-        double v = us[j];
-        us[j] = us[j - 1], us[j - 1] = v;
-      }
-    t->median_us = us[reps / 2], t->p20_us = us[reps / 5], t->p80_us = us[(4 * reps) / 5], t->reps = reps;
-  }
-  free(us);
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  cudaGraphExecDestroy(x);
-  cudaGraphDestroy(g);
-  return st;
-}
-
 /* Random bytes that are finite as e4m3 (no 0x7f/0xff) and, read in pairs, as
  * bf16 of magnitude 2^-7..2^1 (high byte: sign + exponent 120..127). */
 static void fill_pattern(uint8_t *p, size_t n) {
@@ -114,7 +62,7 @@ typedef struct pool {
 
 static m3_status pool_make(pool *pl, m3_err *e) {
   size_t free_b = 0, total = 0;
-  CUDA_TRY(e, cudaMemGetInfo(&free_b, &total));
+  M3_CUDA(e, cudaMemGetInfo(&free_b, &total));
   pl->bytes = POOL_MAX;
   if (pl->bytes > free_b / 10 * 7) pl->bytes = free_b / 10 * 7;
   pl->bytes &= ~(PATTERN - 1);
@@ -212,7 +160,7 @@ static m3_status run_case(m3_rt *rt, double copy_gbs, pool *pl, FILE *out, const
                             .bt_stride = max_nb, .num_pages = pool_pages, .token_seq = d_seq, .positions = d_pos};
   m3_timing te = {0}, tg = {0};
   if (!s) s = m3_time_events(launch_one, &c, rt->stream, R, R > 50 ? 2 * R : 100, &te, e);
-  if (!s) s = graph_time(&c, 30, &tg, e);
+  if (!s) s = m3_time_graph(launch_one, &c, R, R, rt->stream, 30, &tg, e); /* per launch of R back to back */
   if (!s) {
     const double bytes = (double)tokens * HD * esz, gbs_e = bytes / (te.median_us * 1e3),
                  gbs_g = bytes / (tg.median_us * 1e3);
