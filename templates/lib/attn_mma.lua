@@ -886,21 +886,28 @@ local CLUSTER_MERGE = [[
     const int hi = (s + 1) * per < G4 ? (s + 1) * per : G4;
     for (int e4 = s * per + threadIdx.x; e4 < hi; e4 += NW * 32) {
       const int r = e4 / (HD / 4), d = 4 * (e4 % (HD / 4));
-      float mk[CLUSTER_MAX];
-      float M = neg_inf();
+      /* Every split's (m, l) and partial are loaded before any is used, so
+       * that the 48 loads are in flight together: one DSMEM round trip (in
+       * a branch per split they were 32 dependent ones).  Ranks past the
+       * splits re-read the last split and weigh nothing. */
+      float mk[CLUSTER_MAX], lk[CLUSTER_MAX];
+      float4 vk[CLUSTER_MAX];
 #pragma unroll
       for (int k = 0; k < CLUSTER_MAX; k++) {
-        mk[k] = k < nsplit ? ld_dsmem(sM + r, (unsigned)k) : neg_inf();
-        M = fmaxf(M, mk[k]);
+        const unsigned rk = (unsigned)(k < nsplit ? k : nsplit - 1);
+        mk[k] = ld_dsmem(sM + r, rk);
+        lk[k] = ld_dsmem(sL + r, rk);
+        vk[k] = ld_dsmem4(so + r * SO + so_col(d), rk);
       }
+      float M = neg_inf();
+#pragma unroll
+      for (int k = 0; k < CLUSTER_MAX; k++) M = fmaxf(M, k < nsplit ? mk[k] : neg_inf());
       float L = 0, a0 = 0, a1 = 0, a2 = 0, a3 = 0;
 #pragma unroll
       for (int k = 0; k < CLUSTER_MAX; k++) {
-        if (k >= nsplit) continue;
-        const float fk = mk[k] == neg_inf() ? 0.0f : ex2(mk[k] - M);
-        const float4 v = ld_dsmem4(so + r * SO + so_col(d), (unsigned)k);
-        L += fk * ld_dsmem(sL + r, (unsigned)k);
-        a0 += fk * v.x; a1 += fk * v.y; a2 += fk * v.z; a3 += fk * v.w;
+        const float fk = k >= nsplit || mk[k] == neg_inf() ? 0.0f : ex2(mk[k] - M);
+        L += fk * lk[k];
+        a0 += fk * vk[k].x; a1 += fk * vk[k].y; a2 += fk * vk[k].z; a3 += fk * vk[k].w;
       }
       const float inv = L > 0 ? 1.0f / L : 0.0f;
       st_bf16x4(out + (t * NQ + g * GQ + r) * HD + d, a0 * inv, a1 * inv, a2 * inv, a3 * inv);
