@@ -103,18 +103,22 @@ static const m3_tune_record *pin_of(const m3_tunedb *db, const m3_tunedb *seed, 
 }
 
 /* Candidates a and b re-timed back to back (a, b, a, b), each keeping its
- * faster pass, into cs[a] and cs[b].  1, or 0 with e (cs untouched). */
-static int retime_pair(m3_rt *rt, const m3_tune_op *op, void *st, m3_kernel **kq, int warmup, int reps,
+ * faster pass, into cs[a] and cs[b]; graph: the shape's candidates are
+ * graph-timed (m3_tune_time_kernel), so these are too.  1, or 0 with e (cs
+ * untouched). */
+static int retime_pair(m3_rt *rt, const m3_tune_op *op, void *st, m3_kernel **kq, int warmup, int reps, int graph,
                        m3_tune_candidate *cs, int a, int b, m3_err *e) {
   m3_tune_candidate again[2][2];
   const int who[2] = {a, b};
   for (int round = 0; round < 2; round++)
-    for (int w = 0; w < 2; w++)
-      if (m3_tune_time_kernel(rt, op, st, kq[who[w]], warmup, reps, 0, &again[round][w], NULL, e) != M3_OK ||
+    for (int w = 0; w < 2; w++) {
+      int g = graph;
+      if (m3_tune_time_kernel(rt, op, st, kq[who[w]], warmup, reps, 0, &g, &again[round][w], NULL, e) != M3_OK ||
           again[round][w].disposition != M3_DISP_PASSED) {
         if (again[round][w].disposition != M3_DISP_PASSED) m3_errf(e, M3_MISMATCH, "a re-timed candidate did not pass");
         return 0;
       }
+    }
   for (int w = 0; w < 2; w++) {
     const m3_tune_candidate *f = again[0][w].median_us <= again[1][w].median_us ? &again[0][w] : &again[1][w];
     m3_tune_candidate *c = &cs[who[w]];
@@ -143,7 +147,7 @@ m3_status m3_tune_graph_time(const m3_tune_op *op, void *st, const m3_kernel *k,
 /* Time one candidate: prepare (untimed) then an event-timed launch, per rep;
  * short kernels then again as a CUDA graph (below). */
 m3_status m3_tune_time_kernel(m3_rt *rt, const m3_tune_op *op, void *st, const m3_kernel *k, int warmup, int reps,
-                                double best_so_far, m3_tune_candidate *c, double *event_us, m3_err *e) {
+                                double best_so_far, int *graph, m3_tune_candidate *c, double *event_us, m3_err *e) {
   for (int i = 0; i < warmup; i++) {
     M3_TRY(op->prepare(st, i + 1, e));
     M3_TRY(op->launch(st, k, i + 1, e));
@@ -209,13 +213,21 @@ m3_status m3_tune_time_kernel(m3_rt *rt, const m3_tune_op *op, void *st, const m
    * chose the same tile for 8 of 14 records): re-time it as the decode step
    * runs it, a CUDA graph of GRAPH_LAUNCHES back-to-back launches over the
    * rotating sets, per launch.  If the launch cannot be captured the event
-   * times stand. */
+   * times stand.  *graph (in): graph-time it whatever its event time, as the
+   * tuner does for every candidate of a shape once one of them was (a fixed
+   * threshold on a noisy event time would otherwise put candidates of one
+   * shape on two clocks: device run 79 kept a tile event-timed at 31 us over
+   * one graph-timed at 8.8); (out): whether it was. */
   int forced;
-  if (!s && c->disposition == M3_DISP_PASSED && c->median_us < graph_below_us(&forced)) {
+  const double below = graph_below_us(&forced);
+  const int want = graph && *graph;
+  if (graph) *graph = 0;
+  if (!s && c->disposition == M3_DISP_PASSED && (want || c->median_us < below)) {
     m3_timing t;
     m3_err ge;
     if (m3_tune_graph_time(op, st, k, rt->stream, GRAPH_LAUNCHES, reps, &t, &ge) == M3_OK) {
       c->median_us = t.median_us, c->p20_us = t.p20_us, c->p80_us = t.p80_us, c->n_runs = t.reps;
+      if (graph) *graph = 1;
     } else if (forced) {
       return m3_errf(e, M3_CUDA, "tune: %s: graph timing: %s", k->key.op, ge.msg);
     } else {
@@ -473,6 +485,11 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
      * events: comparing the two skipped every later candidate). */
     double best = 0, best_ev = 0;
     int best_i = -1, def_i = -1;
+    /* Once one candidate of the shape is graph-timed (a short kernel), all
+     * are: graphed[q] says which were, and those event-timed before the
+     * first short one are re-timed after the sweep. */
+    int shape_graph = 0;
+    unsigned char *graphed = calloc((size_t)j->n_cand, 1);
     /* An earlier record of this shape pinned by a whole decode-step
      * measurement (tools/seed_pin.py): its tile is timed in full (no early
      * stop), to be weighed against this tune's pick below. */
@@ -517,11 +534,14 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
         } else {
           double ev = 0;
           const double stop_ev = prev && !strcmp(tiles[q], prev->tile) ? 0 : best_ev;
-          if ((ks = m3_tune_time_kernel(rt, j->op, st, k, warmup, reps, stop_ev, c, &ev, &ke)) != M3_OK) {
+          int g = shape_graph;
+          if ((ks = m3_tune_time_kernel(rt, j->op, st, k, warmup, reps, stop_ev, &g, c, &ev, &ke)) != M3_OK) {
             c->disposition = M3_DISP_LAUNCH_ERROR;
             snprintf(reasons[q], sizeof reasons[q], "%.*s", (int)sizeof reasons[q] - 1, ke.msg);
           } else {
             if (kq) kq[q] = k;
+            if (graphed) graphed[q] = (unsigned char)g;
+            shape_graph |= g;
             if (c->disposition == M3_DISP_PASSED && (best_ev <= 0 || ev < best_ev)) best_ev = ev;
             if (c->disposition == M3_DISP_PASSED && (best_i < 0 || c->median_us < best)) {
               best = c->median_us;
@@ -534,6 +554,31 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
       if (!c->reason && cj->reason[0]) c->reason = cj->reason;
       progress(o->progress, ++done, nc, t0, &last_line);
     }
+    if (shape_graph && graphed && kq) {
+      for (int q = 0; q < j->n_cand; q++) {
+        if (graphed[q] || !kq[q] || cs[q].disposition != M3_DISP_PASSED) continue;
+        int g = 1;
+        m3_err ke = {0};
+        m3_tune_candidate again = cs[q];
+        const m3_status rs = m3_tune_time_kernel(rt, j->op, st, kq[q], warmup, reps, 0, &g, &again, NULL, &ke);
+        if (rs != M3_OK || !g || again.disposition != M3_DISP_PASSED) {
+          (void)cudaGetLastError();
+          m3_warn("tune: %s %s: tile %s could not be re-timed as a graph like the shape's other candidates: "
+                  "left out of the choice", row->key, row->bucket, tiles[q]);
+          cs[q].disposition = M3_DISP_LAUNCH_ERROR;
+          snprintf(reasons[q], sizeof reasons[q], "graph re-timing failed: %.400s",
+                   rs != M3_OK ? ke.msg : !g ? "the launch could not be captured" : "its timing did not complete");
+          cs[q].reason = reasons[q];
+          continue;
+        }
+        cs[q].median_us = again.median_us, cs[q].p20_us = again.p20_us, cs[q].p80_us = again.p80_us;
+        cs[q].n_runs = again.n_runs;
+      }
+      best_i = -1;
+      for (int q = 0; q < j->n_cand; q++)
+        if (cs[q].disposition == M3_DISP_PASSED && (best_i < 0 || cs[q].median_us < best)) best = cs[q].median_us, best_i = q;
+    }
+    free(graphed);
     /* The default against the winner, re-timed back to back (default,
      * winner, default, winner; each keeps its faster pass): the sweep timed
      * them minutes apart, in an order that favours neither, and clocks and
@@ -543,7 +588,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
     if (kq && def_i >= 0 && best_i >= 0 && def_i != best_i && kq[def_i] && kq[best_i] &&
         (cs[def_i].disposition == M3_DISP_PASSED || cs[def_i].disposition == M3_DISP_SKIPPED_SLOWER)) {
       m3_err ke;
-      if (retime_pair(rt, j->op, st, kq, warmup, reps, cs, def_i, best_i, &ke))
+      if (retime_pair(rt, j->op, st, kq, warmup, reps, shape_graph, cs, def_i, best_i, &ke))
         best = cs[best_i].median_us;
       else
         m3_warn("tune: %s %s: re-timing the default against the winner failed: %s", j->op->template_name,
@@ -582,7 +627,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
         lost = why;
       } else {
         m3_err ke;
-        if (q != choose && kq && kq[q] && kq[choose] && !retime_pair(rt, j->op, st, kq, warmup, reps, cs, q, choose, &ke))
+        if (q != choose && kq && kq[q] && kq[choose] && !retime_pair(rt, j->op, st, kq, warmup, reps, shape_graph, cs, q, choose, &ke))
           m3_warn("tune: %s %s: re-timing the pinned tile against the choice failed: %s", row->key,
                   row->bucket, ke.msg);
         if (cs[q].median_us <= (1.0 + slack) * cs[choose].median_us) {

@@ -71,11 +71,15 @@ m3_status m3_tune_graph_time(const struct m3_tune_op *op, void *st, const m3_ker
  * then up to `reps` event-timed ones, each after an untimed prepare (restore
  * + rotation); stops early when its first event-timed runs are 3x slower
  * than best_so_far (> 0), which must be an event-timed median too.  Short
- * kernels are then re-timed as a CUDA graph.  Fills median/p20/p80 (µs,
- * graph-timed where that applied), n_runs and PASSED or SKIPPED_SLOWER;
- * *event_us (may be NULL): the event-timed median.  Errors: M3_CUDA. */
+ * kernels (event median under 30 us, or $M3KIT_TUNE_GRAPH_US) and, when
+ * graph is non-NULL and *graph is 1, every kernel are then re-timed as a CUDA
+ * graph; *graph is set to whether that happened (the tuner keeps a shape's
+ * candidates on one clock with it).  Fills median/p20/p80 (µs, graph-timed
+ * where that applied), n_runs and PASSED or SKIPPED_SLOWER; *event_us (may
+ * be NULL): the event-timed median.  Errors: M3_CUDA. */
 m3_status m3_tune_time_kernel(m3_rt *rt, const struct m3_tune_op *op, void *st, const m3_kernel *k, int warmup,
-                              int reps, double best_so_far, struct m3_tune_candidate *c, double *event_us, m3_err *e);
+                              int reps, double best_so_far, int *graph, struct m3_tune_candidate *c, double *event_us,
+                              m3_err *e);
 
 /* Device-to-device copy bandwidth (read + write bytes / time), GB/s. */
 m3_status m3_measure_copy_gbs(m3_rt *rt, double *gbs, m3_err *e);

@@ -375,6 +375,53 @@ START_TEST(adapter_rejects_broken_candidate) {
 }
 END_TEST
 
+/* One clock per shape (tune.c): asked to (*graph = 1), m3_tune_time_kernel
+ * graph-times a kernel whose event median is above the threshold, and says
+ * so; not asked, it keeps the event time.  The tuner asks for every
+ * candidate of a shape once one was graph-timed: device run 79 compared a
+ * tile event-timed at 31 us with ones graph-timed at 8.8 and kept it. */
+START_TEST(graph_clock_when_asked) {
+  const m3_tune_op *op = m3_tune_op_find("fill");
+  ck_assert_ptr_nonnull(op);
+  m3_config cfg;
+  m3_err e;
+  ck_assert_msg(m3_config_for("minimax-m3", NULL, &cfg, &e) == M3_OK, "%s", e.msg);
+  m3_dims dims;
+  m3_model_dims(&cfg, &dims);
+  m3_variant *vs;
+  int nv, vi = -1;
+  ck_assert_msg(m3_render_variants(g_rt.jit.lua, "fill", &dims, &vs, &nv, &e) == M3_OK, "%s", e.msg);
+  for (int i = 0; i < nv && vi < 0; i++) {
+    char kt[M3_KEY_MAX];
+    m3_variant_print_axes(&vs[i], kt, sizeof kt);
+    if (strstr(kt, "dtype=bf16")) vi = i;
+  }
+  ck_assert_int_ge(vi, 0);
+  m3_variant v = vs[vi];
+  free(vs);
+  snprintf(v.arch, sizeof v.arch, "%s", g_rt.dev.arch);
+  m3_bucket b;
+  ck_assert_msg(m3_bucket_parse("elems=4096", &b, &e) == M3_OK, "%s", e.msg);
+  void *st = NULL;
+  GPU_CHECK(op->setup(&g_rt, &cfg, &v, &b, g_seed, &st, &e_));
+  m3_kernel *k;
+  GPU_CHECK(m3_rt_kernel(&g_rt, &v, &b, &k, &e_));
+  setenv("M3KIT_TUNE_GRAPH_US", "1e-6", 1); /* no event median is below it */
+  for (int ask = 0; ask < 2; ask++) {
+    m3_tune_candidate c = {0};
+    double ev = 0;
+    int g = ask;
+    GPU_CHECK(m3_tune_time_kernel(&g_rt, op, st, k, 1, 3, 0, &g, &c, &ev, &e_));
+    ck_assert_int_eq(c.disposition, M3_DISP_PASSED);
+    ck_assert_msg(g == ask, "asked %d, graph-timed %d", ask, g);
+    ck_assert(c.median_us > 0 && ev > 0);
+    if (!ask) ck_assert(c.median_us == ev); /* the event time stands */
+  }
+  unsetenv("M3KIT_TUNE_GRAPH_US");
+  op->teardown(st);
+}
+END_TEST
+
 static Suite *make(void) {
   Suite *s = suite_create("tune_gpu");
   TCase *tc = tcase_create("tuner");
@@ -383,6 +430,10 @@ static Suite *make(void) {
   tcase_add_test(tc, slow_candidate_never_wins_and_times_exclude_compiles);
   tcase_add_test(tc, runtime_reads_what_the_tuner_wrote);
   suite_add_tcase(s, tc);
+  TCase *clock = tcase_create("clock");
+  tcase_set_timeout(clock, 300);
+  tcase_add_test(clock, graph_clock_when_asked);
+  suite_add_tcase(s, clock);
   TCase *pin = tcase_create("pin");
   tcase_set_timeout(pin, 900);
   tcase_add_test(pin, pinned_tile_kept_within_slack_dropped_when_broken);

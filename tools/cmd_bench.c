@@ -72,7 +72,7 @@ static m3_status bench_qknorm(m3_rt *rt, const m3_bench_ctx *bc, FILE *out, m3_e
       if ((s = op->setup(rt, &cfg, &vs[i], &bs[b], 1, &st, e))) break;
       s = m3_rt_kernel(rt, &vs[i], &bs[b], &k, e);
       m3_tune_candidate c = {0};
-      if (!s) s = m3_tune_time_kernel(rt, op, st, k, 5, 50, 0, &c, NULL, e);
+      if (!s) s = m3_tune_time_kernel(rt, op, st, k, 5, 50, 0, NULL, &c, NULL, e);
       m3_timing g = {0};
       if (!s) s = m3_tune_graph_time(op, st, k, rt->stream, 57, 20, &g, e);
       if (!s) {
