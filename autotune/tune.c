@@ -372,12 +372,18 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
           nc++;
           j->n_cand++;
         }
+        if (j->n_cand == 0) nj--; /* none of o->tiles is a tile of this variant */
       }
       free(tiles);
     }
     free(vs);
   }
   if (s) goto out;
+  if (o->tiles && nj == 0) {
+    s = m3_errf(e, M3_INVAL, "tune: none of the tiles '%.200s' is a tile of a selected kernel (whole tile strings, "
+                "every axis, ';'-separated, as 'm3kit gen --tiles KEY' lists them)", o->tiles);
+    goto out;
+  }
 
   /* 2. Compile every candidate in parallel, before any timing (#34). */
   if (o->progress) fprintf(o->progress, "m3kit tune: %d shapes, %d candidates on %s (%s); compiling...\n", nj, nc,

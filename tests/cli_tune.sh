@@ -2,7 +2,8 @@
 # cli_tune.sh - `m3kit tune --show/--plot` without a GPU (tools/cmd_tune.c):
 # a seed whose records carry tiles this m3kit refuses is not counted as used
 # (the runtime's lookup re-checks every tile); --only with --show is refused,
-# not ignored; --plot on an untuned machine plots the seed, as --show lists it.
+# not ignored; --plot on an untuned machine plots the seed, as --show lists it;
+# --tiles restricts the candidates (on the emulator) and refuses a list naming no tile.
 set -eu
 m3kit=${M3KIT_BIN:-./m3kit} # make check exports M3KIT_BIN (Makefile.am)
 fail() { echo "cli_tune.sh: $*" >&2; exit 1; }
@@ -43,4 +44,22 @@ out=$(M3KIT_CACHE_DIR="$dir/none" "$m3kit" tune --rehash --arch sm_90 2>&1) || r
 [ "$rc" = 1 ] || fail "--rehash with no tuning DB: exit $rc, want 1"
 printf '%s\n' "$out" | grep -q "no tuning DB at $dir/none/tuning/sm_90.json, nothing to rehash" || fail "--rehash, no DB: $out"
 [ ! -e "$dir/none" ] || fail "--rehash with no tuning DB created $dir/none"
+rc=0
+out=$("$m3kit" tune --show --tiles "threads=256" 2>&1) || rc=$?
+[ "$rc" = 2 ] || fail "--show --tiles: exit $rc, want 2: $out"
+rc=0
+out=$("$m3kit" tune --tiles= 2>&1) || rc=$?
+[ "$rc" = 2 ] || fail "tune --tiles=: exit $rc, want 2: $out"
+# --tiles on the CPU emulator (its m3kit, where the build has one): only the tiles named are timed, and a
+# list that names no tile of the selection is an error, not an empty tune
+emu=${M3KIT_EMU_BIN:-}
+if [ -n "$emu" ] && [ -x "$emu" ]; then
+  out=$(M3KIT_CACHE_DIR="$dir/e" "$emu" tune --only embed --shapes tokens=1 --tiles "threads=256;threads=64" \
+        --db "$dir/t.json" 2>&1) || fail "emulator tune --tiles: $out"
+  printf '%s\n' "$out" | grep -Eq '^embed .*tokens=1 .*\(2/0/0 of 2\)' || fail "tune --tiles: not 2 candidates: $out"
+  rc=0
+  out=$(M3KIT_CACHE_DIR="$dir/e" "$emu" tune --only embed --tiles "threads=7" --db "$dir/t.json" 2>&1) || rc=$?
+  [ "$rc" = 1 ] || fail "tune --tiles naming no tile: exit $rc, want 1: $out"
+  printf '%s\n' "$out" | grep -q "none of the tiles 'threads=7'" || fail "tune --tiles naming no tile: $out"
+fi
 echo "cli_tune.sh: --show counts, --only refusal and the seed's plots as expected"

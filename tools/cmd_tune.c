@@ -32,6 +32,8 @@ static void help(void) {
          "                     --show, --plot, --rehash, which work on the whole DB)\n"
          "  --shapes SPEC      restrict buckets, e.g. 'tokens=1,64'\n"
          "  --budget SECONDS   stop starting new shapes after this long\n"
+         "  --tiles LIST       time only these tiles: whole tile strings, ';'-separated, as --show\n"
+         "                     prints them (e.g. with --only, a tile axis A/B); a shape none fits is left out\n"
          "  --reps N           timed launches per candidate (default 20, minimum 20)\n"
          "  --db FILE          the DB file to write (tuning), read (--show, --plot) or rewrite in place\n"
          "                     (--rehash) instead of the cache's\n"
@@ -270,7 +272,8 @@ int cmd_tune(int argc, char **argv) {
                                        {"budget", required_argument, 0, 'b'}, {"reps", required_argument, 0, 'r'},
                                        {"db", required_argument, 0, 'd'},     {"show", no_argument, 0, 'S'},
                                        {"plot", required_argument, 0, 'P'},   {"arch", required_argument, 0, 'a'},
-                                       {"rehash", no_argument, 0, 'R'},       {"help", no_argument, 0, 'h'},
+                                       {"rehash", no_argument, 0, 'R'},       {"tiles", required_argument, 0, 't'},
+                                       {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   m3_tune_opts o = {.preset = "minimax-m3", .progress = stderr};
   int show = 0, do_rehash = 0, model_given = 0, c;
@@ -288,6 +291,13 @@ int cmd_tune(int argc, char **argv) {
         break;
       case 'o': o.only = optarg; break;
       case 's': o.shapes = optarg; break;
+      case 't':
+        if (!*optarg) {
+          fprintf(stderr, "m3kit tune: --tiles: empty list\n");
+          return 2;
+        }
+        o.tiles = optarg;
+        break;
       case 'b': {
         double v;
         if (cli_float("tune", "budget", optarg, 0, 1e9, &v)) return 2;
@@ -344,8 +354,8 @@ int cmd_tune(int argc, char **argv) {
     fprintf(stderr, "m3kit tune: give one of --show, --plot, --rehash\n");
     return 2;
   }
-  if ((show || plot || do_rehash) && (o.only || o.shapes || model_given)) {
-    fprintf(stderr, "m3kit tune: --only, --shapes, --preset and --model select what to tune; --show, --plot and "
+  if ((show || plot || do_rehash) && (o.only || o.shapes || o.tiles || model_given)) {
+    fprintf(stderr, "m3kit tune: --only, --shapes, --tiles, --preset and --model select what to tune; --show, --plot and "
                     "--rehash work on the whole DB\n");
     return 2;
   }
