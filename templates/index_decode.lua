@@ -477,30 +477,7 @@ local OPEN = {
 -- about to be used.  The registers freed let more warps stay resident
 -- (MINB: at most 80 registers a thread, 24 warps an SM).
 local RING = {
-  defs = [[
-/* cp.async (sm_80+), 16 bytes, .cg (L2 only: the keys are read once); n = 0
- * fills zeros (a block-table entry outside the cache).  The emulator copies at
- * once, which is what the wait makes visible anyway. */
-M3_DEV void cpa16(void *dst, const void *src, int n) {
-#ifdef __CUDA_ARCH__
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src),
-               "r"(n) : "memory");
-#else
-  if (n) memcpy(dst, src, 16); else memset(dst, 0, 16);
-#endif
-}
-M3_DEV void cpa_commit(void) {
-#ifdef __CUDA_ARCH__
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-/* All of this thread's copy groups but the newest DEPTH - 1 have landed. */
-M3_DEV void cpa_wait_ring(void) {
-#ifdef __CUDA_ARCH__
-  asm volatile("cp.async.wait_group %0;" ::"n"(DEPTH - 1) : "memory");
-#endif
-}
-]],
+  defs = "typedef unsigned int u32;\n" .. P.cp_async("DEPTH - 1"),
   minb = "#undef MINB\n#define MINB (24 / NW)\n",
   open = [[
 

@@ -687,37 +687,7 @@ M3_DEV uint2 ld8_stream(const unsigned char *p) {
 }
 
 #if PIPE >= 3
-/* cp.async (sm_80+): n = 16 bytes (.cg: L2 only, the weights are streamed once)
- * or 4 (.ca); src_n = 0 fills zeros (rows past the end).  The emulator copies
- * at once, which is what a wait_group makes visible anyway. */
-M3_DEV void cpa16(void *dst, const void *src, int src_n) {
-#ifdef __CUDA_ARCH__
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src),
-               "r"(src_n));
-#else
-  if (src_n) memcpy(dst, src, 16); else memset(dst, 0, 16);
-#endif
-}
-M3_DEV void cpa4(void *dst, const void *src, int src_n) {
-#ifdef __CUDA_ARCH__
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src),
-               "r"(src_n));
-#else
-  if (src_n) memcpy(dst, src, 4); else memset(dst, 0, 4);
-#endif
-}
-M3_DEV void cpa_commit(void) {
-#ifdef __CUDA_ARCH__
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-/* All of this thread's copy groups but the newest PIPE - 1 have landed. */
-M3_DEV void cpa_wait_ring(void) {
-#ifdef __CUDA_ARCH__
-  asm volatile("cp.async.wait_group %0;" ::"n"(PIPE - 1) : "memory");
-#endif
-}
-
+$cp_async
 /* Copy blocks [b0, b0 + UNR) of the tile's 16 x RPW rows into ring stage st:
  * row rr's weight bytes at st + rr * WSTR, its E8M0 bytes at st + 16 RPW WSTR
  * + rr UNR.  2 UNR consecutive lanes copy a row's 32 UNR contiguous bytes. */
@@ -1343,7 +1313,7 @@ function T.render(k, t, arch, sym)
     src = "#ifndef FULL\n#define FULL 0xffffffffu\n#endif\n" .. I.mma("f16") .. I.e4m3_decode(t.cvt) ..
       (t.lead == 1 and LEAD.defs or "") .. F.subst("mxfp8", gemv_mma_body, {
       cols = k.cols, nmax = k.nmax, moe = k.moe, warps = t.warps, rpw = t.rpw, unroll = t.unroll, pipe = t.pipe,
-      wlog2 = t.cvt == "hw" and 0 or 8, stage = ring_stage(t), tpc = t.tpc, sym = sym,
+      wlog2 = t.cvt == "hw" and 0 or 8, stage = ring_stage(t), tpc = t.tpc, sym = sym, cp_async = P.cp_async("PIPE - 1"),
       open = t.lead == 1 and LEAD_OPEN or WAIT_OPEN,
       wait = t.lead == 1 and LEAD_WAIT or "",
       pairsel = shared_lead(k, t) and SHARED_PAIRSEL or PAIRSEL,

@@ -272,27 +272,35 @@ static const adapter_case ADAPTERS[] = {
     {"fill", "dtype=bf16", "elems=70000", "threads=256,vec=4", "threads=128,vec=8", 1, 1},
 };
 
+/* The minimax-m3 variant of template `name` whose key axes contain `axes`
+ * (e.g. "dtype=bf16"), for this GPU's arch, with the model's config. */
+static m3_variant model_variant(const char *name, const char *axes, m3_config *cfg) {
+  m3_err e;
+  ck_assert_msg(m3_config_for("minimax-m3", NULL, cfg, &e) == M3_OK, "%s", e.msg);
+  m3_dims dims;
+  m3_model_dims(cfg, &dims);
+  m3_variant *vs;
+  int nv, vi = -1;
+  ck_assert_msg(m3_render_variants(g_rt.jit.lua, name, &dims, &vs, &nv, &e) == M3_OK, "%s", e.msg);
+  for (int i = 0; i < nv && vi < 0; i++) {
+    char kt[M3_KEY_MAX];
+    m3_variant_print_axes(&vs[i], kt, sizeof kt);
+    if (strstr(kt, axes)) vi = i;
+  }
+  ck_assert_msg(vi >= 0, "%s: no variant %s", name, axes);
+  m3_variant v = vs[vi];
+  free(vs);
+  snprintf(v.arch, sizeof v.arch, "%s", g_rt.dev.arch);
+  return v;
+}
+
 /* The tuner's gate (tune.c) by hand, for a `direct` case. */
 static void adapter_direct(const adapter_case *c) {
   const m3_tune_op *op = m3_tune_op_find(c->op);
   ck_assert_ptr_nonnull(op);
   m3_config cfg;
   m3_err e;
-  ck_assert_msg(m3_config_for("minimax-m3", NULL, &cfg, &e) == M3_OK, "%s", e.msg);
-  m3_dims dims;
-  m3_model_dims(&cfg, &dims);
-  m3_variant *vs;
-  int nv, vi = -1;
-  ck_assert_msg(m3_render_variants(g_rt.jit.lua, c->op, &dims, &vs, &nv, &e) == M3_OK, "%s", e.msg);
-  for (int i = 0; i < nv && vi < 0; i++) {
-    char kt[M3_KEY_MAX];
-    m3_variant_print_axes(&vs[i], kt, sizeof kt);
-    if (strstr(kt, c->variant)) vi = i;
-  }
-  ck_assert_msg(vi >= 0, "%s: no variant %s", c->op, c->variant);
-  m3_variant v = vs[vi];
-  free(vs);
-  snprintf(v.arch, sizeof v.arch, "%s", g_rt.dev.arch);
+  m3_variant v = model_variant(c->op, c->variant, &cfg);
   m3_bucket bs[32], b;
   ck_assert_int_eq(op->buckets(&cfg, &v, bs, 32), 0); /* else the tuner case above is the test */
   ck_assert_msg(m3_bucket_parse(c->shapes, &b, &e) == M3_OK, "%s", e.msg);
@@ -385,21 +393,7 @@ START_TEST(graph_clock_when_asked) {
   ck_assert_ptr_nonnull(op);
   m3_config cfg;
   m3_err e;
-  ck_assert_msg(m3_config_for("minimax-m3", NULL, &cfg, &e) == M3_OK, "%s", e.msg);
-  m3_dims dims;
-  m3_model_dims(&cfg, &dims);
-  m3_variant *vs;
-  int nv, vi = -1;
-  ck_assert_msg(m3_render_variants(g_rt.jit.lua, "fill", &dims, &vs, &nv, &e) == M3_OK, "%s", e.msg);
-  for (int i = 0; i < nv && vi < 0; i++) {
-    char kt[M3_KEY_MAX];
-    m3_variant_print_axes(&vs[i], kt, sizeof kt);
-    if (strstr(kt, "dtype=bf16")) vi = i;
-  }
-  ck_assert_int_ge(vi, 0);
-  m3_variant v = vs[vi];
-  free(vs);
-  snprintf(v.arch, sizeof v.arch, "%s", g_rt.dev.arch);
+  m3_variant v = model_variant("fill", "dtype=bf16", &cfg);
   m3_bucket b;
   ck_assert_msg(m3_bucket_parse("elems=4096", &b, &e) == M3_OK, "%s", e.msg);
   void *st = NULL;

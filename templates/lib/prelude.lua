@@ -106,6 +106,45 @@ function P.e4m3(arch)
   return P.e4m3_sw
 end
 
+-- cp.async (sm_80+) for the shared-memory rings of the W8A16 GEMV
+-- (mxfp8.lua) and the decode indexer (index_decode.lua): 16 bytes .cg (L2
+-- only: streamed once) or 4 bytes .ca, src_n = 0 filling zeros; commit; and
+-- the wait for all of a thread's groups but the newest wait_n.  u32 must be
+-- defined.  The emulator copies at once, which is what a wait_group makes
+-- visible anyway.
+function P.cp_async(wait_n)
+  return [[
+/* cp.async: the ring's copies (lib/prelude.lua P.cp_async) */
+M3_DEV void cpa16(void *dst, const void *src, int src_n) {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src),
+               "r"(src_n));
+#else
+  if (src_n) memcpy(dst, src, 16); else memset(dst, 0, 16);
+#endif
+}
+M3_DEV void cpa4(void *dst, const void *src, int src_n) {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src),
+               "r"(src_n));
+#else
+  if (src_n) memcpy(dst, src, 4); else memset(dst, 0, 4);
+#endif
+}
+M3_DEV void cpa_commit(void) {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+/* All of this thread's copy groups but the newest ]] .. wait_n .. [[ have landed. */
+M3_DEV void cpa_wait_ring(void) {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.wait_group %0;" ::"n"(]] .. wait_n .. [[) : "memory");
+#endif
+}
+]]
+end
+
 -- Standard prelude for an arch.
 function P.all(arch)
   return P.base .. P.e4m3(arch)
