@@ -73,9 +73,8 @@ printf 'round\tidxk\tcontext\tvariant\ttile\tmedian_us\tgraph_us\n' > "$res"
 for r in $(seq 1 "$rounds"); do
   echo "$cases" | tr ';' '\n' | while IFS=: read -r ix ctx tile; do
     [ -n "$ix" ] || continue
-    base=$(echo "$tile" | sed -E 's/,?lead=[0-9]//; s/,?merge=[a-z]+//; s/,?ring=[0-9]//')
+    base=$(echo "$tile" | sed -E 's/,?lead=[0-9]//; s/,?merge=[a-z]+//')
     lead=$(echo "$tile" | sed -nE 's/.*lead=([0-9]).*/\1/p'); lead=${lead:-0}
-    ring=$(echo "$tile" | sed -nE 's/.*ring=([0-9]).*/\1/p'); ring=${ring:-0}
     for v in $variants; do
       case $v in
         fence) t="$base,lead=$lead,merge=fence" a=none;;
@@ -86,7 +85,6 @@ for r in $(seq 1 "$rounds"); do
           t="$base,lead=2,merge=$m" a=none;;
         nomerge|handover|noscore|empty) t="$base,lead=$lead,merge=$merge" a=$v;;
       esac
-      t="$t,ring=$ring"
       d=$(make_dir "$v-$ix-$ctx" "$t" "$a") || { edit_failed "$r" "$ix" "$ctx" "$v" "$t"; continue; }
       [ "$dry" = 2 ] && { edited "$r" "$ix" "$ctx" "$v" "$t"; continue; }
       md=$out/bench-$v-$ix-$ctx-$r.md

@@ -19,8 +19,7 @@
 -- loaded once), so each K byte is read once and dotted with every index head.
 -- `depth` groups per warp are in flight (4 KiB each in bf16): with <= 128
 -- registers 16 warps an SM keep 128 KiB in flight, several times what 1/132
--- of 4.3 TB/s needs at DRAM latency (in e4m3, half of that: tile ring=1 keeps
--- the groups in flight in shared memory instead, RING below).  Per 16 keys a warp issues 8 LDG.128 +
+-- of 4.3 TB/s needs at DRAM latency.  Per 16 keys a warp issues 8 LDG.128 +
 -- 8 HMMA + ~100 integer ops (the non-finite check) in bf16, 4 + 8 + ~180 in
 -- e4m3 (decode to fp16 too): well under the SM's issue rate at full
 -- bandwidth.  A warp's partial block max (NaN-sticky) goes to shared memory by
@@ -59,7 +58,7 @@ T.axes = {
 }
 T.tiles = {
   {"warps", {4, 8}},            -- warps per CTA
-  {"depth", {2, 4, 8}},         -- 16-token groups in flight per warp (8: ring=1 only)
+  {"depth", {2, 4}},            -- 16-token groups in flight per warp
   {"waves", {1, 2}},            -- split rule: CTAs = waves x resident CTAs per SM x SMs
   {"chunk", {8, 16, 32}},       -- most blocks per split (bounds a CTA's duration)
   {"cvt", {"alu", "hw"}},       -- e4m3 -> fp16: bit moves, or cvt.rn.f16x2.e4m3x2
@@ -67,10 +66,6 @@ T.tiles = {
                                 --   2: as 1, and the first keys are requested before the query, in one round trip
   {"merge", {"fence", "acqrel"}}, -- how a split hands over: __threadfence x2 + atomicAdd, or one acq_rel atomic
                                 --   (and, with one block a split, the merge takes its candidates from the split heads)
-  {"ring", {0, 1}},             -- 1: the keys in flight sit in a per-warp cp.async ring in shared memory instead of
-                                --   registers (depth groups a warp, one in registers), so occupancy and depth no
-                                --   longer share the register file: e4m3 at 1M waited on loads with half of bf16's
-                                --   bytes in flight (ncu, device run 69: 25% occupancy at 128 registers)
 }
 
 function T.valid(k, t, arch)
@@ -85,13 +80,12 @@ function T.valid(k, t, arch)
   if k.init < 0 or k["local"] < 0 then return false, "init and local block counts must be >= 0" end
   if t.cvt == "hw" and k.idxk ~= "e4m3" then return false, "cvt=hw converts e4m3 only: bf16 keys need no conversion (cvt=alu)" end
   if t.cvt == "hw" and sm < 89 then return false, "cvt.rn.f16x2.e4m3x2 needs sm_89+" end
-  if t.depth == 8 and t.ring ~= 1 then return false, "depth=8 keeps 8 groups of keys in flight: in registers they spill (ring=1 holds them in shared memory)" end
   if t.lead >= 1 and sm < 90 then return false, "lead=" .. t.lead .. " overlaps the previous kernel through programmatic dependent launch (sm_90+)" end
   return true
 end
 
 function T.default_tile(k, arch)
-  return {warps = 4, depth = k.idxk == "e4m3" and 4 or 2, waves = 1, chunk = 16, cvt = "alu", lead = 0, merge = "fence", ring = 0}
+  return {warps = 4, depth = k.idxk == "e4m3" and 4 or 2, waves = 1, chunk = 16, cvt = "alu", lead = 0, merge = "fence"}
 end
 
 function T.variants(c)
@@ -133,7 +127,7 @@ local body = [[
 /* 64 registers of loads in flight or fewer: 128 registers a thread, 2048
  * threads an SM (4 CTAs of 4 warps); more buffers get the registers they need. */
 #define MINB (DEPTH * CH <= 16 ? 16 / NW : 8 / NW)
-$ring_minb
+
 /* Non-finite detector folded into an accumulator: after masking with NF_MASK
  * a bit is set iff some value had an all-ones exponent (bf16 Inf/NaN) or was
  * an e4m3 NaN code (0x7f/0xff).  No carries cross the bf16 halves or bytes. */
@@ -260,11 +254,11 @@ $prologue$opening    for (int base = u0; base < u1; base += DEPTH) {
             if (cur >= 0) flush(cur, pstart, u);
             cur = bl, pstart = u, m0 = m1 = f_ninf(), bad = 0u;
           }
-$take          float c[4];
-          group_dot(c, $grp, qf);
+          float c[4];
+          group_dot(c, buf[d], qf);
           unsigned na = 0, nb8 = 0;
 #pragma unroll
-          for (int j = 0; j < CPR; j++) na = nf_acc4(na, $grp[j]), nb8 = nf_acc4(nb8, $grp[CPR + j]);
+          for (int j = 0; j < CPR; j++) na = nf_acc4(na, buf[d][j]), nb8 = nf_acc4(nb8, buf[d][CPR + j]);
           const i64 row0 = (i64)(c0 + bl) * BS + (u - bl * GPB) * 16;
           if (row0 + 16 > L) { /* the group holds rows past the query: masked (causal, j <= position) */
             if (row0 + g >= L) c[0] = c[1] = f_ninf(), na = 0u;
@@ -273,7 +267,8 @@ $take          float c[4];
           m0 = fmax_nan(m0, fmax_nan(c[0], c[2]));
           m1 = fmax_nan(m1, fmax_nan(c[1], c[3]));
           bad |= (na | nb8) & NF_MASK;
-$refill        }
+          if (u + DEPTH < u1) load(buf[d], u + DEPTH);
+        }
       }
     }
     if (cur >= 0) flush(cur, pstart, u1);
@@ -464,57 +459,6 @@ local OPEN = {
 #pragma unroll
     for (int d = 0; d < DEPTH; d++)
       if (u0 + d < u1) load(buf[d], u0 + d);
-]],
-}
-
--- Tile ring=1: the same loop with the keys in flight in shared memory.  Each
--- lane copies its own 16-byte chunks (cp.async, L2 only) into a per-warp ring
--- of DEPTH slots laid out [slot][chunk][lane] - conflict-free, and a lane
--- reads back only what it copied, so its own wait_group is all the ordering
--- needed - and takes one group into registers just before its mma.  Every
--- loop step commits a copy group, empty past the warp's range, so that
--- "all but the newest DEPTH - 1 groups landed" always includes the group
--- about to be used.  The registers freed let more warps stay resident
--- (MINB: at most 80 registers a thread, 24 warps an SM).
-local RING = {
-  defs = "typedef unsigned int u32;\n" .. P.cp_async("DEPTH - 1"),
-  minb = "#undef MINB\n#define MINB (24 / NW)\n",
-  open = [[
-
-  /* ---- score: this warp's contiguous range of 16-token groups ---- */
-  {
-    const int U = n_c * GPB;
-    const int u0 = (int)(((i64)w * U) / NW), u1 = (int)(((i64)(w + 1) * U) / NW);
-    extern __shared__ uint4 s_ring[]; /* [NW][DEPTH][CH][32] */
-    uint4 *ring = s_ring + (i64)w * DEPTH * CH * 32 + lane;
-    auto load = [&](int d, int u) {
-      const int bl = u / GPB, grp = u - bl * GPB, page = s_page[bl];
-      const unsigned char *p0 = cache + ((i64)(page < 0 ? 0 : page) * BS + grp * 16 + g) * (i64)ROWB + 16 * tq;
-      const int n = page < 0 ? 0 : 16;
-      uint4 *st = ring + d * CH * 32;
-#pragma unroll
-      for (int j = 0; j < CPR; j++) {
-        cpa16(st + j * 32, p0 + 64 * j, n);
-        cpa16(st + (CPR + j) * 32, p0 + 8 * ROWB + 64 * j, n);
-      }
-    };
-]],
-  pre = [[
-#pragma unroll
-    for (int d = 0; d < DEPTH; d++) {
-      if (u0 + d < u1) load(d, u0 + d);
-      cpa_commit();
-    }
-]],
-  take = [[
-          cpa_wait_ring();
-          uint4 kv[CH];
-#pragma unroll
-          for (int j = 0; j < CH; j++) kv[j] = ring[(d * CH + j) * 32];
-]],
-  refill = [[
-          if (u + DEPTH < u1) load(d, u + DEPTH);
-          cpa_commit();
 ]],
 }
 
@@ -750,16 +694,12 @@ end
 function T.render(k, t, arch, sym)
   local e4 = k.idxk == "e4m3"
   local M = MERGE[t.merge]
-  local ring = t.ring == 1
-  local S_OPEN, S_PRE = ring and RING.open or OPEN.S_OPEN, ring and RING.pre or OPEN.S_PRE
   local v = {
     heads = k.heads, bs = k.bs, topk = k.topk, init = k.init, ["local"] = k["local"],
     e4m3 = e4 and 1 or 0, warps = t.warps, depth = t.depth, sym = sym,
-    prologue = prologue(t.lead), lead_defs = (t.lead >= 1 and LEAD.defs or "") .. M.defs .. (ring and RING.defs or ""),
-    opening = t.lead == 2 and S_OPEN .. S_PRE .. OPEN.Q .. OPEN.S_FLUSH
-                           or OPEN.Q .. S_OPEN .. OPEN.S_FLUSH .. S_PRE,
-    ring_minb = ring and RING.minb or "", take = ring and RING.take or "", grp = ring and "kv" or "buf[d]",
-    refill = ring and RING.refill or "          if (u + DEPTH < u1) load(buf[d], u + DEPTH);\n",
+    prologue = prologue(t.lead), lead_defs = (t.lead >= 1 and LEAD.defs or "") .. M.defs,
+    opening = t.lead == 2 and OPEN.S_OPEN .. OPEN.S_PRE .. OPEN.Q .. OPEN.S_FLUSH
+                           or OPEN.Q .. OPEN.S_OPEN .. OPEN.S_FLUSH .. OPEN.S_PRE,
     publish = M.publish, h1_open = M.h1_open, h1_close = M.h1_close, count_init = M.count_init,
     push = M.push, count_done = M.count_done, rank = M.rank,
   }
@@ -768,8 +708,7 @@ function T.render(k, t, arch, sym)
     return tostring(v[n])
   end)
   local lib = I.common .. I.mma(e4 and "f16" or "bf16") .. (e4 and I.e4m3_decode(t.cvt) or "")
-  local ch = e4 and 4 or 8 -- CH: 16-byte chunks a lane holds of a 16-token group
-  return {source = P.all(arch) .. lib .. src, threads = t.warps * 32, smem = ring and t.warps * t.depth * ch * 32 * 16 or 0}
+  return {source = P.all(arch) .. lib .. src, threads = t.warps * 32, smem = 0}
 end
 
 return T
