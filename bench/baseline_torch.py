@@ -51,7 +51,8 @@ Choices (all documented in the output and the --json record):
     steps; the generated id is read back after each step as a generating user would.
     The position advances by one per step (context C, C+1, ...), as m3kit's decode does.
   * Roofline: bytes the step must read (weights used + KV/index-K read, spec §9.2-9.4)
-    / 4.28 TB/s (H200 copy ceiling, shared/spec/h200-anchors.md).
+    / --ceiling-gbps (default 4278: the H200's copy ceiling, shared/spec/h200-anchors.md;
+    bench/tpot_curve.sh passes the one it measured in the same call).
 """
 import argparse
 import json
@@ -66,7 +67,7 @@ try:
 except ImportError:  # --help included: every mode runs PyTorch
     sys.exit("baseline_torch.py: needs PyTorch (pip install torch; the GPU machine has it), also for --device cpu --check")
 
-CEILING_BPS = 4.28e12
+CEILING_BPS = 4.28e12  # --ceiling-gbps sets it
 
 M3 = dict(  # ../shared/models/minimax-m3/config.json (text_config)
     hidden_size=6144, num_hidden_layers=60, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
@@ -505,8 +506,14 @@ def main():
     ap.add_argument("--mem-limit-gb", type=float, default=0, help="plan as if the GPU had this much memory")
     ap.add_argument("--check", action="store_true", help="compare one step against the loop-by-loop reference "
                     "(tiny configs only) and the three MoE modes against each other")
+    ap.add_argument("--ceiling-gbps", type=float, default=4278.0,
+                    help="copy ceiling for the roofline, GB/s (default 4278, the H200's)")
     ap.add_argument("--json", help="write the results (and choices) to this file, rewritten after each context")
     a = ap.parse_args()
+    if not (a.ceiling_gbps > 0 and math.isfinite(a.ceiling_gbps)):
+        sys.exit("baseline_torch.py: --ceiling-gbps must be a positive number of GB/s")
+    global CEILING_BPS
+    CEILING_BPS = a.ceiling_gbps * 1e9
 
     cfg = load_config(a.config) if a.config else (TINY if a.tiny else M3)
     d = Dims(cfg, a.resident_experts)

@@ -25,11 +25,15 @@
 #     --append           keep the rows of DIR/tpot_curve.dat for contexts not rerun (curves over
 #                        several device calls; needs --out or $OUT)
 #     --plot-only        only rebuild .md and .png from DIR/tpot_curve.dat (needs --out or $OUT)
+#     --ceiling GBPS     the copy ceiling the roofline divides by, GB/s (read + write, as m3kit bench
+#                        counts it).  Default: measured in this call (m3kit bench's copy, ~10 s), so
+#                        that the ratio is against the card that ran; 4278 (the H200's, the issue's
+#                        figure) only with --fake or where it cannot be measured, and the table says so
 #     --fake             fill the .dat with made-up numbers (tests the table and the plot; says so;
 #                        without --out or $OUT it writes under ${TMPDIR:-/tmp}/tpot-fake)
 #
 # Roofline (m3kit prints no byte count, so it is computed here from the spec, §9.2-§9.4):
-#   TPOT_roof = (W + KV(T)) / 4.28 TB/s, T = context + steps/2 (the mean decode position)
+#   TPOT_roof = (W + KV(T)) / copy ceiling, T = context + steps/2 (the mean decode position)
 #   W   = 3 dense layers x (qkv 9216x6144 + o 6144x8192 + MLP 3x12288x6144)
 #       + 57 sparse layers x (qkv+index 9856x6144 + o 6144x8192 + 5 experts (4 routed + shared)
 #                              x 3x3072x6144) + 57 fp32 routers 128x6144x4 B + lm_head 200064x6144x2 B
@@ -42,7 +46,7 @@ set -u
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
 budget=540 contexts=8192,32768,131072,393216,769000,1048576 steps=32 timing=0 weights='' cache=auto
-torch=1 torch_budget='' m3kit=${M3KIT:-} m3args='' out=${OUT:-} append=0 plot_only=0 fake=0
+torch=1 torch_budget='' m3kit=${M3KIT:-} m3args='' out=${OUT:-} append=0 plot_only=0 fake=0 ceiling=
 while [ $# -gt 0 ]; do
   case $1 in
     --budget) budget=$2; shift ;;
@@ -59,6 +63,7 @@ while [ $# -gt 0 ]; do
     --append) append=1 ;;
     --plot-only) plot_only=1 ;;
     --fake) fake=1 ;;
+    --ceiling) ceiling=$2; shift ;;
     -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     [0-9]*) budget=$1 ;;
     *) echo "tpot_curve.sh: unknown argument $1 (--help)" >&2; exit 2 ;;
@@ -68,6 +73,10 @@ done
 case $weights in ""|bf16|mxfp8) ;; *) echo "tpot_curve.sh: --weights bf16|mxfp8" >&2; exit 2 ;; esac
 case $cache in auto|bf16|e4m3) ;; *) echo "tpot_curve.sh: --cache auto|bf16|e4m3" >&2; exit 2 ;; esac
 [ "$steps" -ge 2 ] 2>/dev/null || { echo "tpot_curve.sh: --steps must be >= 2" >&2; exit 2; }
+if [ -n "$ceiling" ]; then
+  awk -v c="$ceiling" 'BEGIN { exit !(c ~ /^[0-9]+([.][0-9]+)?$/ && c + 0 > 0) }' ||
+    { echo "tpot_curve.sh: --ceiling wants GB/s, a positive number (got '$ceiling')" >&2; exit 2; }
+fi
 t_start=$(date +%s)
 left() { echo $(( budget - ($(date +%s) - t_start) )); }
 if [ -z "$out" ]; then
@@ -89,14 +98,14 @@ contexts_sp=$(for c in $(echo "$contexts" | tr ',' ' '); do
 # ---- the spec's byte counts (awk: doubles are exact far beyond these sizes) ----------------------
 # roof FMT KVB IDXB T -> "weight_bytes kv_bytes roofline_ms";  model_bytes FMT -> bytes m3kit allocates
 roof() {
-  awk -v f="$1" -v kvb="$2" -v ib="$3" -v T="$4" 'function lin(r, c) { return f == "bf16" ? 2*r*c : r*c*(1 + 1/32) }
+  awk -v f="$1" -v kvb="$2" -v ib="$3" -v T="$4" -v bw="$bw" 'function lin(r, c) { return f == "bf16" ? 2*r*c : r*c*(1 + 1/32) }
   BEGIN { H = 6144; V = 200064; I = 3072; S = 3072; F = 12288; E = 128; Q = 8192
     w = 3*(lin(9216, H) + lin(H, Q) + lin(2*F, H) + lin(H, F))
     w += 57*(lin(9856, H) + lin(H, Q) + 4*E*H + 4*E + 4*(lin(2*I, H) + lin(H, I)) + lin(2*S, H) + lin(H, S))
     w += 2*V*H + 2*H + 60*4*H
     sel = T < 2048 ? T : 2048
     kv = 3*T*4*2*128*kvb + 57*(4*sel*2*128*kvb + T*128*ib)
-    printf "%.0f %.0f %.4f\n", w, kv, (w + kv)/4.28e12*1e3 }'
+    printf "%.0f %.0f %.4f\n", w, kv, (w + kv)/(bw*1e9)*1e3 }'
 }
 model_bytes() {  # m3_model_bytes(): 8 resident experts per MoE layer, RoPE table, norms
   awk -v f="$1" 'function lin(r, c) { return f == "bf16" ? 2*r*c : r*c + r*(c/32) }
@@ -125,7 +134,7 @@ render() {
     echo "Made by \`bench/tpot_curve.sh $(awk 'NR > 1 { printf "` + `bench/tpot_curve.sh --append " } { printf "%s", $0 }' "$out/tpot-logs/args" 2>/dev/null)\` on $(cat "$out/tpot-logs/gpu" 2>/dev/null || echo '?');"
     echo "m3kit weights: $(cat "$out/tpot-logs/wfmt" 2>/dev/null || echo "$wfmt"); the PyTorch eager baseline (bench/baseline_torch.py) uses bf16 weights."
     echo "TPOT: m3kit's mean decode step (CUDA graph); torch: median of CUDA-event-timed eager steps."
-    echo "Roofline = bytes the step must read / 4.28 TB/s (weights used: 4 routed + 1 shared expert, MXFP8 = 1 + 1/32 B"
+    echo "Roofline = bytes the step must read / $(cat "$out/tpot-logs/ceiling" 2>/dev/null || echo '4278 GB/s (the H200 copy ceiling; not measured)') (weights used: 4 routed + 1 shared expert, MXFP8 = 1 + 1/32 B"
     echo "or bf16 = 2 B per weight, fp32 routers, bf16 lm_head; + dense-layer KV of the whole history + 16 selected"
     echo "blocks x 4 KV heads per sparse layer + the index-K scan; formula in bench/tpot_curve.sh). Target: TPOT <= 1.15 x roofline."
     echo
@@ -152,7 +161,7 @@ set xtics ("8K" 8192, "32K" 32768, "128K" 131072, "384K" 393216, "769K" 769000, 
 set grid
 set key top left
 plot "$out/tpot-logs/plot.dat" using 1:3 with linespoints lw 2 pt 7 title "m3kit run ($(cat "$out/tpot-logs/wfmt" 2>/dev/null || echo "$wfmt") weights)", \
-     "" using 1:4 with lines lw 2 dt 2 lc rgb "black" title "roofline (bytes read / 4.28 TB/s)", \
+     "" using 1:4 with lines lw 2 dt 2 lc rgb "black" title "roofline (bytes read / copy ceiling)", \
      "" using 1:(\$4*1.15) with lines lw 1 dt 3 lc rgb "gray40" title "1.15 x roofline (target)", \
      "" using 1:5 with linespoints lw 2 pt 5 title "PyTorch eager (bf16 weights)", \
      "" using 1:7 with lines lw 1 dt 4 title "roofline, bf16 weights (torch)"
@@ -165,8 +174,32 @@ if [ "$plot_only" = 1 ]; then
   render; exit 0
 fi
 
+# ---- the copy ceiling of this card, this call --------------------------------------------------
+find_m3kit() {
+  if [ -z "$m3kit" ]; then
+    for p in ./m3kit "$root/.dev/m3kit" "$root/build/m3kit" "$(command -v m3kit 2>/dev/null)"; do
+      [ -n "$p" ] && [ -x "$p" ] && { m3kit=$p; break; }
+    done
+  fi
+}
+find_m3kit
+how="given with --ceiling"
+ceil_opt=${ceiling:+ --ceiling $ceiling}
+if [ -z "$ceiling" ] && [ "$fake" = 0 ] && [ -n "$m3kit" ] && [ -x "$m3kit" ]; then
+  # m3kit bench measures the copy first; one small case keeps the rest short
+  M3KIT_BENCH_CASE="fp32 router" timeout 120 "$m3kit" bench --only ffn --out "$out/tpot-logs/ceiling.md" \
+    > "$out/tpot-logs/ceiling.log" 2>&1
+  ceiling=$(sed -n 's/.*device-to-device copy \([0-9][0-9.]*\) GB\/s.*/\1/p' "$out/tpot-logs/ceiling.md" 2>/dev/null | head -n 1)
+  how="measured in this call (m3kit bench's device-to-device copy, read + write)"
+  [ -n "$ceiling" ] || echo "tpot_curve.sh: the copy ceiling could not be measured ($out/tpot-logs/ceiling.log): using 4278 GB/s" >&2
+fi
+if [ -z "$ceiling" ]; then ceiling=4278; how="the H200 copy ceiling (shared/spec/h200-anchors.md), not measured here"; fi
+bw=$ceiling
+echo "$ceiling GB/s, $how" > "$out/tpot-logs/ceiling"
+echo "== copy ceiling for the roofline: $(cat "$out/tpot-logs/ceiling")"
+
 [ "$append" = 1 ] || : > "$out/tpot-logs/args"
-printf '%s\n' "--budget $budget --contexts $contexts --steps $steps$( [ $timing = 1 ] && echo ' --breakdown')${weights:+ --weights $weights} --cache $cache${m3args:+ --m3kit-args \"$m3args\"}" >> "$out/tpot-logs/args"
+printf '%s\n' "--budget $budget --contexts $contexts --steps $steps$( [ $timing = 1 ] && echo ' --breakdown')${weights:+ --weights $weights} --cache $cache$ceil_opt${m3args:+ --m3kit-args \"$m3args\"}" >> "$out/tpot-logs/args"
 echo "$wfmt" > "$out/tpot-logs/wfmt"
 rm -f "$out/tpot-logs/fake"
 (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | grep . || echo "no GPU") > "$out/tpot-logs/gpu"
@@ -203,7 +236,7 @@ if [ "$torch" = 1 ] && [ -f "$here/baseline_torch.py" ] && "$py" -c 'import torc
     echo "== torch baseline: contexts $contexts, caches $dts, at most $tb s"
     # the same prompt lengths as m3kit's: prompt + steps within max_position_embeddings (1M)
     tctx=$(echo $contexts_sp | tr ' ' ',')
-    timeout "$tb" "$py" "$here/baseline_torch.py" --contexts "$tctx" --cache-dtype "$dts" --steps "$steps" \
+    timeout "$tb" "$py" "$here/baseline_torch.py" --contexts "$tctx" --cache-dtype "$dts" --steps "$steps" --ceiling-gbps "$bw" \
       --json "$out/tpot-logs/torch.json" > "$tres" 2>&1
     echo "   rc=$? $(grep -c '^RESULT' "$tres") contexts measured ($tres)"
   fi
@@ -212,11 +245,6 @@ else
 fi
 
 # ---- m3kit, one run per context --------------------------------------------------------------------
-if [ -z "$m3kit" ]; then
-  for p in ./m3kit "$root/.dev/m3kit" "$root/build/m3kit" "$(command -v m3kit 2>/dev/null)"; do
-    [ -n "$p" ] && [ -x "$p" ] && { m3kit=$p; break; }
-  done
-fi
 [ -n "$m3kit" ] && [ -x "$m3kit" ] || { echo "tpot_curve.sh: no m3kit binary (--m3kit PATH)" >&2; exit 1; }
 run_m3() {  # context cache extra-args log -> rc (log holds the output); sets c, k, x, log (sh has no locals)
   c=$1 k=$2 x=$3 log=$4
