@@ -318,7 +318,20 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
   int reps = o->reps >= 20 ? o->reps : 20, warmup = o->warmup >= 2 ? o->warmup : 3;
 
   /* 1. Enumerate (variant, bucket) jobs and their candidate tiles. */
-  int nj = 0, capj = 64, nc = 0, capc = 256;
+  int nj = 0, capj = 64, nc = 0, capc = 256, nj_shapes = 0, n_named = 0;
+  /* --tiles: where each shape's current record is - the DB this run writes
+   * when it is not the cache's (--db), else the runtime's (cache over seed). */
+  m3_tunedb *incdb = NULL;
+  if (o->tiles && o->db_path && access(o->db_path, F_OK) == 0) {
+    m3_err le;
+    incdb = m3_tunedb_new();
+    if (incdb && m3_tunedb_load(incdb, o->db_path, NULL, NULL, NULL, &le) != M3_OK) {
+      m3_warn("tune: %s not read (%s): the shapes' current tiles are not among the candidates", o->db_path, le.msg);
+      m3_tunedb_free(incdb);
+      incdb = NULL;
+    }
+  }
+  const m3_tunedb *cur_db = o->db_path ? incdb : rt->db;
   tjob *jobs = malloc(sizeof *jobs * (size_t)capj);
   m3_jit_job *cands = calloc((size_t)capc, sizeof *cands);
   m3_status s = jobs && cands ? M3_OK : m3_errf(e, M3_NOMEM, "tuner");
@@ -349,10 +362,23 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
         j->bucket = bs[b];
         j->first_cand = nc;
         j->n_cand = 0;
+        nj_shapes++;
+        /* With --tiles, the tile the runtime now takes for this shape is timed
+         * too: a narrower run never leaves a record slower than the one it
+         * replaces (as this run times them). */
+        char inc[512] = "";
+        if (o->tiles && cur_db) {
+          char kt[M3_KEY_MAX];
+          m3_variant_print_axes(&vs[i], kt, sizeof kt);
+          const m3_tune_record *r = m3_tunedb_find(cur_db, kt, &bs[b], rt->dev.arch);
+          if (r && r->tile) snprintf(inc, sizeof inc, "%s", r->tile);
+        }
         for (int q = 0; q < nt; q++) {
           m3_err ve;
           char why[512];
-          if (!tile_selected(o->tiles, &tiles[q])) continue;
+          const int named = o->tiles && tile_selected(o->tiles, &tiles[q]);
+          if (o->tiles && !named && !(inc[0] && tile_selected(inc, &tiles[q]))) continue;
+          n_named += named;
           if (nc == capc) {
             cands = realloc(cands, sizeof *cands * (size_t)(capc * 2));
             memset(cands + capc, 0, sizeof *cands * (size_t)capc);
@@ -378,8 +404,20 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
     }
     free(vs);
   }
+  m3_tunedb_free(incdb);
   if (s) goto out;
-  if (o->tiles && nj == 0) {
+  if (o->tiles) /* an entry that names no candidate: a typo, another family's tile, a space */
+    for (const char *p = o->tiles; p && *p; p = strchr(p, ';') ? strchr(p, ';') + 1 : NULL) {
+      const size_t n = strchr(p, ';') ? (size_t)(strchr(p, ';') - p) : strlen(p);
+      int hit = n == 0;
+      for (int q = 0; q < nc && !hit; q++) {
+        char t[512];
+        m3_variant_print_tile(&cands[q].v, t, sizeof t);
+        hit = strlen(t) == n && !strncmp(t, p, n);
+      }
+      if (!hit) m3_warn("tune: --tiles: '%.*s' is not a tile of any selected kernel and shape: not timed", (int)n, p);
+    }
+  if (o->tiles && n_named == 0 && nj_shapes > 0) {
     s = m3_errf(e, M3_INVAL, "tune: none of the tiles '%.200s' is a tile of a selected kernel (whole tile strings, "
                 "every axis, ';'-separated, as 'm3kit gen --tiles KEY' lists them)", o->tiles);
     goto out;
@@ -712,6 +750,7 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
       r.candidates = cs;
       m3_err pe;
       if (!skip_record && m3_tunedb_put(db, &r, &pe) != M3_OK) m3_warn("tune: record for %s %s not kept: %s", row->key, row->bucket, pe.msg);
+      else if (!skip_record) row->recorded = 1;
     }
     res->n_rows++;
     free(cs);

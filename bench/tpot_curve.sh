@@ -25,10 +25,11 @@
 #     --append           keep the rows of DIR/tpot_curve.dat for contexts not rerun (curves over
 #                        several device calls; needs --out or $OUT)
 #     --plot-only        only rebuild .md and .png from DIR/tpot_curve.dat (needs --out or $OUT)
-#     --ceiling GBPS     the copy ceiling the roofline divides by, GB/s (read + write, as m3kit bench
-#                        counts it).  Default: measured in this call (m3kit bench's copy, ~10 s), so
-#                        that the ratio is against the card that ran; 4278 (the H200's, the issue's
-#                        figure) only with --fake or where it cannot be measured, and the table says so
+#     --ceiling GBPS     the copy ceiling the roofline divides by, GB/s, 10 to 100000 (read + write, as
+#                        m3kit bench counts it).  Default: measured in this call (m3kit bench's copy,
+#                        ~10 s), so that the ratio is against the card that ran; 4278 (the H200's, the
+#                        issue's figure) only with --fake or where it cannot be measured, and the table
+#                        says so.  --append keeps the earlier call's (one ceiling a table)
 #     --fake             fill the .dat with made-up numbers (tests the table and the plot; says so;
 #                        without --out or $OUT it writes under ${TMPDIR:-/tmp}/tpot-fake)
 #
@@ -47,7 +48,12 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
 budget=540 contexts=8192,32768,131072,393216,769000,1048576 steps=32 timing=0 weights='' cache=auto
 torch=1 torch_budget='' m3kit=${M3KIT:-} m3args='' out=${OUT:-} append=0 plot_only=0 fake=0 ceiling=
+ceiling_set=0
 while [ $# -gt 0 ]; do
+  case $1 in
+    --budget|--contexts|--steps|--weights|--cache|--torch-budget|--m3kit|--m3kit-args|--out|--ceiling)
+      [ $# -ge 2 ] || { echo "tpot_curve.sh: $1 needs a value (--help)" >&2; exit 2; } ;;
+  esac
   case $1 in
     --budget) budget=$2; shift ;;
     --contexts) contexts=$2; shift ;;
@@ -63,7 +69,7 @@ while [ $# -gt 0 ]; do
     --append) append=1 ;;
     --plot-only) plot_only=1 ;;
     --fake) fake=1 ;;
-    --ceiling) ceiling=$2; shift ;;
+    --ceiling) ceiling=$2; ceiling_set=1; shift ;;
     -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     [0-9]*) budget=$1 ;;
     *) echo "tpot_curve.sh: unknown argument $1 (--help)" >&2; exit 2 ;;
@@ -73,9 +79,11 @@ done
 case $weights in ""|bf16|mxfp8) ;; *) echo "tpot_curve.sh: --weights bf16|mxfp8" >&2; exit 2 ;; esac
 case $cache in auto|bf16|e4m3) ;; *) echo "tpot_curve.sh: --cache auto|bf16|e4m3" >&2; exit 2 ;; esac
 [ "$steps" -ge 2 ] 2>/dev/null || { echo "tpot_curve.sh: --steps must be >= 2" >&2; exit 2; }
-if [ -n "$ceiling" ]; then
-  awk -v c="$ceiling" 'BEGIN { exit !(c ~ /^[0-9]+([.][0-9]+)?$/ && c + 0 > 0) }' ||
-    { echo "tpot_curve.sh: --ceiling wants GB/s, a positive number (got '$ceiling')" >&2; exit 2; }
+if [ "$ceiling_set" = 1 ]; then
+  # GB/s: 10 to 100000 (a figure in TB/s, or one off by 1000, is refused, not plotted)
+  awk -v c="$ceiling" 'BEGIN { exit !(c ~ /^[0-9]+([.][0-9]+)?$/ && c + 0 >= 10 && c + 0 <= 100000) }' ||
+    { echo "tpot_curve.sh: --ceiling wants the copy ceiling in GB/s, 10 to 100000 (got '$ceiling')" >&2; exit 2; }
+  [ "$plot_only" = 1 ] && { echo "tpot_curve.sh: --plot-only re-renders the rows as they were computed: no --ceiling" >&2; exit 2; }
 fi
 t_start=$(date +%s)
 left() { echo $(( budget - ($(date +%s) - t_start) )); }
@@ -173,6 +181,9 @@ if [ "$plot_only" = 1 ]; then
   [ -f "$dat" ] || { echo "tpot_curve.sh: no $dat" >&2; exit 1; }
   render; exit 0
 fi
+if [ "$append" = 1 ] && [ "$fake" = 0 ] && [ -f "$out/tpot-logs/fake" ] && [ -f "$dat" ]; then
+  echo "tpot_curve.sh: $out holds made-up rows (--fake): append real ones to a folder of their own" >&2; exit 2
+fi
 
 # ---- the copy ceiling of this card, this call --------------------------------------------------
 find_m3kit() {
@@ -185,6 +196,16 @@ find_m3kit() {
 find_m3kit
 how="given with --ceiling"
 ceil_opt=${ceiling:+ --ceiling $ceiling}
+# --append keeps the earlier call's ceiling, so that every row of the table is against one figure
+prev=$( [ "$append" = 1 ] && [ -f "$dat" ] && sed -n 's/^\([0-9][0-9.]*\) GB\/s.*/\1/p' "$out/tpot-logs/ceiling" 2>/dev/null | head -n 1)
+if [ -n "$prev" ]; then
+  if [ -n "$ceiling" ] && [ "$ceiling" != "$prev" ]; then
+    echo "tpot_curve.sh: --ceiling $ceiling, but the rows in $out are against $prev GB/s: --append keeps one ceiling" >&2; exit 2
+  fi
+  ceiling=$prev how=$(sed -n 's/^[0-9][0-9.]* GB\/s, //p' "$out/tpot-logs/ceiling" | head -n 1)
+  case $how in *"(kept by --append)") ;; *) how="$how (kept by --append)";; esac
+fi
+rm -f "$out/tpot-logs/ceiling.md"
 if [ -z "$ceiling" ] && [ "$fake" = 0 ] && [ -n "$m3kit" ] && [ -x "$m3kit" ]; then
   # m3kit bench measures the copy first; one small case keeps the rest short
   M3KIT_BENCH_CASE="fp32 router" timeout 120 "$m3kit" bench --only ffn --out "$out/tpot-logs/ceiling.md" \

@@ -48,6 +48,16 @@ tc --fake --out "$tmp/tc" > /dev/null 2>&1 || fail "tpot_curve.sh --fake failed"
 grep -q 'FAKE DATA' "$tmp/tc/tpot_curve.md" || fail "tpot_curve.sh --fake: the table does not say FAKE"
 [ "$(grep -c '^| [0-9]' "$tmp/tc/tpot_curve.md")" = 6 ] || fail "tpot_curve.sh --fake: not 6 rows"
 tc --fake --append --contexts 1048576,8192 --out "$tmp/tc" > /dev/null 2>&1 || fail "tpot_curve.sh --fake --append failed"
+# one ceiling a table: --append keeps the earlier call's and refuses another; real rows never join made-up ones
+rc=0; tc --fake --append --ceiling 2139 --contexts 8192 --out "$tmp/tc" > /dev/null 2>&1 || rc=$?
+[ "$rc" = 2 ] || fail "tpot_curve.sh --append with another --ceiling: exit $rc, want 2"
+grep -q '^Roofline = bytes the step must read / 4278 GB/s' "$tmp/tc/tpot_curve.md" || fail "tpot_curve.sh: the table does not name its ceiling"
+rc=0; tc --append --no-torch --contexts 8192 --m3kit /bin/false --out "$tmp/tc" > /dev/null 2>&1 || rc=$?
+[ "$rc" = 2 ] || fail "tpot_curve.sh: real rows appended to a --fake folder: exit $rc, want 2"
+for v in 0 3.35 abc ''; do
+  rc=0; tc --fake --ceiling "$v" --out "$tmp/tc2" > /dev/null 2>&1 || rc=$?
+  [ "$rc" = 2 ] || fail "tpot_curve.sh --ceiling '$v': exit $rc, want 2"
+done
 [ "$(grep -c . "$tmp/tc/tpot_curve.dat")" = 6 ] || fail "tpot_curve.sh --append: $(grep -c . "$tmp/tc/tpot_curve.dat") rows, want 6 (a context twice?)"
 for o in --plot-only --append; do
   rc=0; (cd "$tmp" && OUT='' tc $o > /dev/null 2>&1) || rc=$?

@@ -1,6 +1,7 @@
 /* cmd_tune.c - `m3kit tune`: tune once per GPU, show the DB, plot it. */
 #include <errno.h>
 #include <getopt.h>
+#include <math.h>
 #include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,7 +34,10 @@ static void help(void) {
          "  --shapes SPEC      restrict buckets, e.g. 'tokens=1,64'\n"
          "  --budget SECONDS   stop starting new shapes after this long\n"
          "  --tiles LIST       time only these tiles: whole tile strings, ';'-separated, as --show\n"
-         "                     prints them (e.g. with --only, a tile axis A/B); a shape none fits is left out\n"
+         "                     prints them (e.g. with --only, a tile axis A/B), and each shape's current tile\n"
+         "                     (the --db file's, else the runtime's), so that a record never gets a tile slower\n"
+         "                     than the one it had; a shape none fits is left out, an entry that fits none is\n"
+         "                     named in a warning\n"
          "  --reps N           timed launches per candidate (default 20, minimum 20)\n"
          "  --db FILE          the DB file to write (tuning), read (--show, --plot) or rewrite in place\n"
          "                     (--rehash) instead of the cache's\n"
@@ -379,12 +383,24 @@ int cmd_tune(int argc, char **argv) {
   s = m3_tune_run(&rt, &o, &res, &e);
   printf("\n%-12s %-58s %-14s %10s %10s %7s %12s %6s %7s  %s\n", "kernel", "variant", "shape", "default_us", "tuned_us",
          "speedup", "achieved", "%ceil", "wall_s", "tile (candidates passed/incorrect/failed)");
+  int n_recorded = 0;
   for (int i = 0; i < res.n_rows; i++) {
     m3_tune_row *r = &res.rows[i];
     const char *k = strchr(r->key, '(');
-    printf("%-12s %-58.58s %-14s %10.2f %10.2f %6.2fx %7.0f %s %5.1f%% %7.1f  %s (%d/%d/%d of %d)\n", r->op,
-           k ? k : r->key, r->bucket, r->default_us, r->tuned_us, r->default_us / r->tuned_us, r->achieved, r->unit,
-           r->pct, r->seconds, r->tile, r->n_passed, r->n_incorrect, r->n_failed, r->n_candidates);
+    char def[16] = "-", spd[16] = "-";
+    if (isfinite(r->default_us)) snprintf(def, sizeof def, "%.2f", r->default_us);
+    if (isfinite(r->default_us) && r->tuned_us > 0) snprintf(spd, sizeof spd, "%.2fx", r->default_us / r->tuned_us);
+    n_recorded += r->recorded;
+    if (!r->recorded && !r->tile[0]) {
+      printf("%-12s %-58.58s %-14s %10s %10s %7s %12s %6s %7.1f  - (%d/%d/%d of %d): no candidate passed, nothing "
+             "recorded\n", r->op, k ? k : r->key, r->bucket, def, "-", "-", "-", "-", r->seconds, r->n_passed,
+             r->n_incorrect, r->n_failed, r->n_candidates);
+      continue;
+    }
+    printf("%-12s %-58.58s %-14s %10s %10.2f %7s %7.0f %s %5.1f%% %7.1f  %s (%d/%d/%d of %d)%s\n", r->op,
+           k ? k : r->key, r->bucket, def, r->tuned_us, spd, r->achieved, r->unit, r->pct, r->seconds, r->tile,
+           r->n_passed, r->n_incorrect, r->n_failed, r->n_candidates,
+           r->recorded ? "" : ": not recorded (the shape's pinned record was left as it was)");
   }
   /* Where a tune's time goes, per family (the 10-minute budget of a full tune). */
   for (int i = 0; i < res.n_rows; i++) {
@@ -401,8 +417,12 @@ int cmd_tune(int argc, char **argv) {
   if (!s && !res.n_rows)
     printf("nothing to tune: no variant of this model has a shape the runtime looks it up at%s\n",
            o.shapes || o.only ? " (among the --only/--shapes selection)" : "");
-  printf("copy ceiling %.0f GB/s; %d shapes in %.1f s\n", res.copy_gbs, res.n_rows, res.seconds);
+  printf("copy ceiling %.0f GB/s; %d shapes in %.1f s, %d recorded\n", res.copy_gbs, res.n_rows, res.seconds,
+         n_recorded);
+  const int none = !s && res.n_rows > 0 && n_recorded == 0;
+  if (none) fprintf(stderr, "m3kit tune: no shape got a record (no candidate passed, or only pinned records were "
+                            "left as they were)\n");
   m3_tune_result_free(&res);
   m3_rt_close(&rt);
-  return s ? cli_fail("tune", s, &e) : 0;
+  return s ? cli_fail("tune", s, &e) : none ? 1 : 0;
 }
