@@ -54,7 +54,7 @@ out=$("$m3kit" tune --tiles= 2>&1) || rc=$?
 # list that names no tile of the selection is an error, not an empty tune
 emu=${M3KIT_EMU_BIN:-}
 if [ -n "$emu" ] && [ -x "$emu" ]; then
-  out=$(M3KIT_CACHE_DIR="$dir/e" "$emu" tune --only embed --shapes tokens=1 --tiles "threads=256;threads=64" \
+  out=$(M3KIT_CACHE_DIR="$dir/e" "$emu" tune --only embed --shapes tokens=1 --tiles "[threads=256]; [threads=64]" \
         --db "$dir/t.json" 2>&1) || fail "emulator tune --tiles: $out"
   printf '%s\n' "$out" | grep -Eq '^embed .*tokens=1 .*\(2/0/0 of 2\)' || fail "tune --tiles: not 2 candidates: $out"
   rc=0

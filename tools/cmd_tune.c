@@ -1,5 +1,6 @@
 /* cmd_tune.c - `m3kit tune`: tune once per GPU, show the DB, plot it. */
 #include <errno.h>
+#include <ctype.h>
 #include <getopt.h>
 #include <math.h>
 #include <spawn.h>
@@ -295,13 +296,25 @@ int cmd_tune(int argc, char **argv) {
         break;
       case 'o': o.only = optarg; break;
       case 's': o.shapes = optarg; break;
-      case 't':
-        if (!*optarg) {
+      case 't': {
+        /* tiles as m3kit gen --tiles prints them ("[warps=4,...]") or with spaces after ';' are
+         * the same tiles: no tile string has brackets or blanks */
+        static char tl[4096];
+        size_t n = 0;
+        for (const char *p = optarg; *p && n + 1 < sizeof tl; p++)
+          if (*p != '[' && *p != ']' && !isspace((unsigned char)*p)) tl[n++] = *p;
+        tl[n] = 0;
+        if (strlen(optarg) >= sizeof tl) {
+          fprintf(stderr, "m3kit tune: --tiles: list longer than %zu characters\n", sizeof tl - 1);
+          return 2;
+        }
+        if (!n) {
           fprintf(stderr, "m3kit tune: --tiles: empty list\n");
           return 2;
         }
-        o.tiles = optarg;
+        o.tiles = tl;
         break;
+      }
       case 'b': {
         double v;
         if (cli_float("tune", "budget", optarg, 0, 1e9, &v)) return 2;
