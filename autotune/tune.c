@@ -103,16 +103,17 @@ static const m3_tune_record *pin_of(const m3_tunedb *db, const m3_tunedb *seed, 
 }
 
 /* Candidates a and b re-timed back to back (a, b, a, b), each keeping its
- * faster pass, into cs[a] and cs[b]; graph: the shape's candidates are
- * graph-timed (m3_tune_time_kernel), so these are too.  1, or 0 with e (cs
- * untouched). */
+ * faster pass, into cs[a] and cs[b], on the clock the sweep used for the
+ * shape (graph: 1 graph-timed, 0 event-timed; never the threshold, which a
+ * re-timing can cross one way for a and the other for b).  1, or 0 with e
+ * (cs untouched). */
 static int retime_pair(m3_rt *rt, const m3_tune_op *op, void *st, m3_kernel **kq, int warmup, int reps, int graph,
                        m3_tune_candidate *cs, int a, int b, m3_err *e) {
   m3_tune_candidate again[2][2];
   const int who[2] = {a, b};
   for (int round = 0; round < 2; round++)
     for (int w = 0; w < 2; w++) {
-      int g = graph;
+      int g = graph ? 1 : -1;
       if (m3_tune_time_kernel(rt, op, st, kq[who[w]], warmup, reps, 0, &g, &again[round][w], NULL, e) != M3_OK ||
           again[round][w].disposition != M3_DISP_PASSED) {
         if (again[round][w].disposition != M3_DISP_PASSED) m3_errf(e, M3_MISMATCH, "a re-timed candidate did not pass");
@@ -213,16 +214,17 @@ m3_status m3_tune_time_kernel(m3_rt *rt, const m3_tune_op *op, void *st, const m
    * chose the same tile for 8 of 14 records): re-time it as the decode step
    * runs it, a CUDA graph of GRAPH_LAUNCHES back-to-back launches over the
    * rotating sets, per launch.  If the launch cannot be captured the event
-   * times stand.  *graph (in): graph-time it whatever its event time, as the
-   * tuner does for every candidate of a shape once one of them was (a fixed
-   * threshold on a noisy event time would otherwise put candidates of one
-   * shape on two clocks: device run 79 kept a tile event-timed at 31 us over
-   * one graph-timed at 8.8); (out): whether it was. */
+   * times stand.  *graph (in): 1 graph-time it whatever its event time, -1
+   * never, 0 by the threshold - the tuner fixes a shape's clock once one of
+   * its candidates was graph-timed (a threshold on a noisy event time would
+   * otherwise put candidates of one shape on two clocks: device run 79 kept a
+   * tile event-timed at 31 us over one graph-timed at 8.8); (out): whether
+   * it was. */
   int forced;
   const double below = graph_below_us(&forced);
-  const int want = graph && *graph;
+  const int want = graph ? *graph : 0;
   if (graph) *graph = 0;
-  if (!s && c->disposition == M3_DISP_PASSED && (want || c->median_us < below)) {
+  if (!s && c->disposition == M3_DISP_PASSED && want >= 0 && (want > 0 || c->median_us < below)) {
     m3_timing t;
     m3_err ge;
     if (m3_tune_graph_time(op, st, k, rt->stream, GRAPH_LAUNCHES, reps, &t, &ge) == M3_OK) {
@@ -601,22 +603,18 @@ m3_status m3_tune_run(m3_rt *rt, const m3_tune_opts *o, m3_tune_result *res, m3_
     if (shape_graph && graphed && kq) {
       for (int q = 0; q < j->n_cand; q++) {
         if (graphed[q] || !kq[q] || cs[q].disposition != M3_DISP_PASSED) continue;
-        int g = 1;
-        m3_err ke = {0};
-        m3_tune_candidate again = cs[q];
-        const m3_status rs = m3_tune_time_kernel(rt, j->op, st, kq[q], warmup, reps, 0, &g, &again, NULL, &ke);
-        if (rs != M3_OK || !g || again.disposition != M3_DISP_PASSED) {
+        m3_timing t;
+        m3_err ke;
+        if (m3_tune_graph_time(j->op, st, kq[q], rt->stream, GRAPH_LAUNCHES, reps, &t, &ke) != M3_OK) {
           (void)cudaGetLastError();
           m3_warn("tune: %s %s: tile %s could not be re-timed as a graph like the shape's other candidates: "
                   "left out of the choice", row->key, row->bucket, tiles[q]);
           cs[q].disposition = M3_DISP_LAUNCH_ERROR;
-          snprintf(reasons[q], sizeof reasons[q], "graph re-timing failed: %.400s",
-                   rs != M3_OK ? ke.msg : !g ? "the launch could not be captured" : "its timing did not complete");
+          snprintf(reasons[q], sizeof reasons[q], "graph re-timing failed: %.400s", ke.msg);
           cs[q].reason = reasons[q];
           continue;
         }
-        cs[q].median_us = again.median_us, cs[q].p20_us = again.p20_us, cs[q].p80_us = again.p80_us;
-        cs[q].n_runs = again.n_runs;
+        cs[q].median_us = t.median_us, cs[q].p20_us = t.p20_us, cs[q].p80_us = t.p80_us, cs[q].n_runs = t.reps;
       }
       best_i = -1;
       for (int q = 0; q < j->n_cand; q++)

@@ -72,11 +72,11 @@ m3_status m3_tune_graph_time(const struct m3_tune_op *op, void *st, const m3_ker
 /* Time kernel k through adapter op on state st: `warmup` untimed launches,
  * then up to `reps` event-timed ones, each after an untimed prepare (restore
  * + rotation); stops early when its first event-timed runs are 3x slower
- * than best_so_far (> 0), which must be an event-timed median too.  Short
- * kernels (event median under 30 us, or $M3KIT_TUNE_GRAPH_US) and, when
- * graph is non-NULL and *graph is 1, every kernel are then re-timed as a CUDA
- * graph; *graph is set to whether that happened (the tuner keeps a shape's
- * candidates on one clock with it).  Fills median/p20/p80 (µs, graph-timed
+ * than best_so_far (> 0), which must be an event-timed median too.  Then,
+ * by *graph (NULL as 0): 0, short kernels (event median under 30 us, or
+ * $M3KIT_TUNE_GRAPH_US) are re-timed as a CUDA graph; 1, every kernel is;
+ * -1, none is.  *graph is set to whether that happened (the tuner keeps a
+ * shape's candidates on one clock with it).  Fills median/p20/p80 (µs, graph-timed
  * where that applied), n_runs and PASSED or SKIPPED_SLOWER; *event_us (may
  * be NULL): the event-timed median.  Errors: M3_CUDA. */
 m3_status m3_tune_time_kernel(m3_rt *rt, const struct m3_tune_op *op, void *st, const m3_kernel *k, int warmup,

@@ -385,7 +385,8 @@ END_TEST
 
 /* One clock per shape (tune.c): asked to (*graph = 1), m3_tune_time_kernel
  * graph-times a kernel whose event median is above the threshold, and says
- * so; not asked, it keeps the event time.  The tuner asks for every
+ * so; told not to (-1), it keeps the event time of one below it; left to the
+ * threshold (0), it follows it.  The tuner asks for every
  * candidate of a shape once one was graph-timed: device run 79 compared a
  * tile event-timed at 31 us with ones graph-timed at 8.8 and kept it. */
 START_TEST(graph_clock_when_asked) {
@@ -400,16 +401,19 @@ START_TEST(graph_clock_when_asked) {
   GPU_CHECK(op->setup(&g_rt, &cfg, &v, &b, g_seed, &st, &e_));
   m3_kernel *k;
   GPU_CHECK(m3_rt_kernel(&g_rt, &v, &b, &k, &e_));
-  setenv("M3KIT_TUNE_GRAPH_US", "1e-6", 1); /* no event median is below it */
-  for (int ask = 0; ask < 2; ask++) {
+  /* (asked, threshold) -> graph-timed: by the threshold when 0, always when 1, never when -1 */
+  static const struct { int ask; const char *below; int want; } cases[] = {
+      {0, "1e-6", 0}, {1, "1e-6", 1}, {0, "1e12", 1}, {-1, "1e12", 0}};
+  for (int i = 0; i < 4; i++) {
+    setenv("M3KIT_TUNE_GRAPH_US", cases[i].below, 1);
     m3_tune_candidate c = {0};
     double ev = 0;
-    int g = ask;
+    int g = cases[i].ask;
     GPU_CHECK(m3_tune_time_kernel(&g_rt, op, st, k, 1, 3, 0, &g, &c, &ev, &e_));
     ck_assert_int_eq(c.disposition, M3_DISP_PASSED);
-    ck_assert_msg(g == ask, "asked %d, graph-timed %d", ask, g);
+    ck_assert_msg(g == cases[i].want, "asked %d below %s: graph-timed %d", cases[i].ask, cases[i].below, g);
     ck_assert(c.median_us > 0 && ev > 0);
-    if (!ask) ck_assert(c.median_us == ev); /* the event time stands */
+    if (!g) ck_assert(c.median_us == ev); /* the event time stands */
   }
   unsetenv("M3KIT_TUNE_GRAPH_US");
   op->teardown(st);
