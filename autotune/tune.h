@@ -43,8 +43,9 @@ typedef struct m3_tune_row {
   char op[32], key[512], bucket[96], tile[128], default_tile[128], unit[8];
   double default_us, tuned_us, achieved, ceiling, pct;
   int n_candidates, n_passed, n_incorrect, n_failed;
-  int recorded;            /* 1: the DB got this shape's record; 0: no candidate passed, or a pinned record
-                            * whose tile was not timed was left as it was (tile: the tuner's pick, if any) */
+  int recorded;            /* 1: the DB got this shape's record; 0: no candidate passed, the DB refused it
+                            * (a warning says why), or a pinned record whose tile was not timed was left as
+                            * it was (tile: the tuner's pick, if any) */
   double seconds;          /* wall time of this shape: setup, every candidate's check and timing, teardown */
 } m3_tune_row;
 

@@ -413,7 +413,7 @@ int cmd_tune(int argc, char **argv) {
     printf("%-12s %-58.58s %-14s %10s %10.2f %7s %7.0f %s %5.1f%% %7.1f  %s (%d/%d/%d of %d)%s\n", r->op,
            k ? k : r->key, r->bucket, def, r->tuned_us, spd, r->achieved, r->unit, r->pct, r->seconds, r->tile,
            r->n_passed, r->n_incorrect, r->n_failed, r->n_candidates,
-           r->recorded ? "" : ": not recorded (the shape's pinned record was left as it was)");
+           r->recorded ? "" : ": not recorded (the warning above says why)");
   }
   /* Where a tune's time goes, per family (the 10-minute budget of a full tune). */
   for (int i = 0; i < res.n_rows; i++) {
@@ -433,7 +433,7 @@ int cmd_tune(int argc, char **argv) {
   printf("copy ceiling %.0f GB/s; %d shapes in %.1f s, %d recorded\n", res.copy_gbs, res.n_rows, res.seconds,
          n_recorded);
   const int none = !s && res.n_rows > 0 && n_recorded == 0;
-  if (none) fprintf(stderr, "m3kit tune: no shape got a record (no candidate passed, or only pinned records were "
+  if (none) fprintf(stderr, "m3kit tune: no shape got a record (no candidate passed, or pinned records were "
                             "left as they were)\n");
   m3_tune_result_free(&res);
   m3_rt_close(&rt);
