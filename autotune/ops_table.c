@@ -5,7 +5,9 @@
  * says which variants are tuned at which shapes; kv_insert and fill (never
  * launched by a forward step), the fused routing stage (no caller), the
  * mxfp8 dequant (looked up without a shape) and the bf16/fp32 GEMVs (one
- * launch a step) have none and keep their default tiles. */
+ * launch a step) have none and keep their default tiles.  l2_prefetch has no
+ * adapter at all: it writes nothing a tuner could verify, and its worth is
+ * the whole step's time (runtime/forward.c prefetch()), not its own. */
 #include <stdlib.h>
 #include <string.h>
 

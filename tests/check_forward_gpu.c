@@ -411,6 +411,67 @@ START_TEST(moe_fuse_norm) {
 }
 END_TEST
 
+/* M3KIT_L2_PREFETCH (runtime/forward.c prefetch()): the branches that send
+ * the next GEMV's weights toward L2 change no value - every decode step's
+ * logits with them equal the run's without them ("0") bit for bit, eager and
+ * replayed - and they did run (the kernel was built, the breakdown has their
+ * row), with "1" (the small model's matrices are under 1 MB: each whole) and
+ * unset (the default: on for sm_90+, off before).  A value that is not one
+ * or three MB counts in [0, 256] fails the create, naming the variable. */
+START_TEST(l2_prefetch) {
+  const int V = cfg.vocab_size, steps = n_steps();
+  float *lg[3] = {malloc(sizeof(float) * V * steps), malloc(sizeof(float) * V * steps),
+                  malloc(sizeof(float) * V * steps)};
+  const int sm = 10 * g_rt.dev.cc_major + g_rt.dev.cc_minor;
+  for (int arm = 0; arm < 3; arm++) { /* "0", "1", unset */
+    const int on = arm == 1 || (arm == 2 && sm >= 90);
+    if (arm < 2) ck_assert_int_eq(setenv("M3KIT_L2_PREFETCH", arm ? "1" : "0", 1), 0); /* read by m3_forward_create */
+    gpu_run g;
+    gpu_open(&g, 0, 0, 1, 1);
+    ck_assert_int_eq(unsetenv("M3KIT_L2_PREFETCH"), 0);
+    m3_err e = {0};
+    int32_t tok;
+    ck_assert_msg(m3_forward_prefill(g.f, g.seq, 40, prompt, NULL, &tok, NULL, &e) == M3_OK, "%s", e.msg);
+    for (int s = 0; s < steps; s++) {
+      int32_t in = prompt[40 + s];
+      ck_assert_msg(m3_forward_decode(g.f, 1, &g.seq, &in, NULL, &tok, lg[arm] + (size_t)s * V, &e) == M3_OK,
+                    "prefetch arm %d step %d: %s", arm, s, e.msg);
+    }
+    int ran = 0;
+    for (int i = 0; i < g_rt.n_kernels; i++) ran |= !strcmp(g_rt.kernels[i]->key.op, "l2_prefetch");
+    if (on) ck_assert_msg(ran, "prefetch arm %d: no l2_prefetch kernel was built", arm);
+    m3_status bs;
+    char *txt = breakdown_text(g.f, 2, &bs, &e);
+    ck_assert_msg(bs == M3_OK, "%s", e.msg);
+    ck_assert_msg(!strstr(txt, "l2_prefetch") == !on, "prefetch arm %d (sm_%d): the breakdown %s an l2_prefetch row:\n%s",
+                  arm, sm, on ? "lacks" : "has", txt);
+    free(txt);
+    gpu_close(&g);
+  }
+  for (int arm = 1; arm < 3; arm++)
+    for (int s = 0; s < steps; s++)
+      ck_assert_msg(!memcmp(lg[0] + (size_t)s * V, lg[arm] + (size_t)s * V, sizeof(float) * V),
+                    "decode step %d: logits with M3KIT_L2_PREFETCH %s differ from the run's with 0", s,
+                    arm == 1 ? "=1" : "unset");
+  for (int i = 0; i < 3; i++) free(lg[i]);
+  static const char *bad[] = {"-1", "257", "1,2", "1,2,3,4", "x", "4MB", "1,,2"};
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    m3_kv_cache kv;
+    m3_err e = {0};
+    m3_kv_opts ko = {.max_seqs = 1, .max_ctx = 64};
+    ck_assert_msg(m3_kv_init(&kv, S.c, &ko, &e) == M3_OK, "%s", e.msg);
+    m3_fwd_opts fo = m3_fwd_defaults();
+    m3_forward *f = NULL;
+    ck_assert_int_eq(setenv("M3KIT_L2_PREFETCH", bad[i], 1), 0);
+    m3_status st = m3_forward_create(&g_rt, gm, &kv, &fo, &f, &e);
+    ck_assert_int_eq(unsetenv("M3KIT_L2_PREFETCH"), 0);
+    ck_assert_msg(st == M3_INVAL && !f && strstr(e.msg, "M3KIT_L2_PREFETCH"), "M3KIT_L2_PREFETCH='%s': status %d, %s",
+                  bad[i], st, e.msg);
+    m3_kv_free(&kv);
+  }
+}
+END_TEST
+
 /* The model's real sparse geometry, 128-token blocks and top-16, over a
  * prompt of 2400 tokens: 19 blocks, more than the 16 x 128 = 2048 tokens the
  * selection keeps, so blocks are dropped at the block size the released model
@@ -677,6 +738,7 @@ static Suite *make(void) {
   gpu_add_case(s, "mxfp8", setup, mxfp8_checkpoint, 0);
   gpu_add_case(s, "graph", setup, graph_replay_equals_eager, 0);
   gpu_add_case(s, "moe_fuse_norm", setup, moe_fuse_norm, 0);
+  gpu_add_case(s, "l2_prefetch", setup, l2_prefetch, 0);
   gpu_add_case(s, "block128", setup, block128_top16_long_context, 0);
   gpu_add_case(s, "batched", setup, batched_decode, 0);
   gpu_add_case(s, "bad_inputs", setup, bad_inputs, 0);

@@ -51,6 +51,8 @@ static void usage(FILE *f) {
           "  M3KIT_CHECK_NUMERICS=1  scan every op's output for NaN/Inf, naming the first layer and op\n"
           "  M3KIT_MOE_FUSE       comma list of combine, act, route, norm (all = combine,act; none): MoE decode fusions;\n"
           "                       norm: the combine inside the next add+norm, not with combine (default none)\n"
+          "  M3KIT_L2_PREFETCH    MB of the next GEMV's weights a decode step's graph branch sends toward L2 (one\n"
+          "                       value, or three: o_proj,ffn,qkv; 0 = off; default 24,16,0 on sm_90+, else off)\n"
           "  M3KIT_TUNE_PIN_SLACK how much slower than its own pick `m3kit tune` keeps a pinned tile (default 0.03)\n"
           "  M3KIT_NCCL_LIB       the NCCL library --tp loads (tried first; then libnccl.so.2, then the toolkit's)\n"
           "(README.md lists the ones for tests: M3KIT_SEED, M3KIT_SMALL)\n"

@@ -1,0 +1,45 @@
+/* op_prefetch.h - L2 prefetch of the next GEMV's weights during the decode
+ * step's latency-bound stretches (templates/l2_prefetch.lua).
+ *
+ * Not a spec operation: it changes no value anywhere (the kernel writes
+ * nothing), only where the next GEMV finds part of its weights.  The decode
+ * step (runtime/forward.c) launches it on a side branch of its graph; see the
+ * template's header for why and where. */
+#ifndef M3_OP_PREFETCH_H
+#define M3_OP_PREFETCH_H
+
+#include <stdint.h>
+
+#include "runtime/kernels.h"
+#include "runtime/status.h"
+
+/* The slice of a region the kernel sends toward L2: n items, item i at byte
+ * offset i * stride, chunk bytes long (the last one clipped to the region). */
+typedef struct m3_prefetch_plan {
+  int64_t stride, chunk, n;
+} m3_prefetch_plan;
+
+/* Plan the prefetch of `want` of `total` bytes of a region, as n chunks of
+ * `chunk` bytes spread evenly over it (every CTA of the GEMV that reads the
+ * region finds the same share in L2).  total, want >= 0 bytes; chunk a
+ * multiple of 16 in [16, 2^30].  The region is taken as its first T = total
+ * rounded down to 16 bytes (a bulk prefetch's size is a multiple of 16).
+ * want >= T: all of it, back to back.  Items start at multiples of 16 inside
+ * [0, T) and are clipped to it (the kernel clips the last); together they
+ * cover at least min(want, T) bytes and less than that plus one chunk.
+ * want == 0 or T == 0: n = 0.  Errors: M3_INVAL (negative sizes, a bad
+ * chunk). */
+m3_status m3_prefetch_plan_for(int64_t total, int64_t want, int64_t chunk, m3_prefetch_plan *p, m3_err *e);
+
+/* The kernel's key, "l2_prefetch()" (its default tile: op=bulk on sm_90+,
+ * op=lines before). */
+m3_status m3_prefetch_key(m3_variant *v, m3_err *e);
+
+/* Launch the prefetch of plan p over the region at base (16-byte aligned) of
+ * total bytes on stream.  No effect on any value; an empty plan launches
+ * nothing.  Errors: M3_INVAL (misaligned base, a plan outside the region),
+ * the launch's. */
+m3_status m3_launch_prefetch(const m3_kernel *k, const void *base, int64_t total, const m3_prefetch_plan *p,
+                             cudaStream_t stream, m3_err *e);
+
+#endif
