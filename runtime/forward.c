@@ -30,9 +30,6 @@
 
 typedef m3_fwd_op_time timing_op; /* forward.h: the table's public row */
 typedef struct memo { char key[M3_KEY_MAX + 64]; m3_kernel *k; } memo;
-/* The decode step's L2 prefetch phases (prefetch()): what the branch forked
- * after each GEMV sends toward L2 for the next one. */
-enum { M3_PF_OPROJ, M3_PF_FFN, M3_PF_QKV, M3_PF_PHASES };
 /* One forward step: n rows; decode or prefill schedules of attention and
  * indexer (a decode step of any batch size uses the decode ones: the prefill
  * indexer wants one sequence per warp of tokens); GEMVs or cuBLAS for the
@@ -112,10 +109,11 @@ struct m3_forward {
   uint64_t n_ar, n_ag;          /* collectives executed */
   uint64_t n_replays;           /* decode steps replayed from a graph */
   /* L2 prefetch branches of a decode step (prefetch(); M3KIT_L2_PREFETCH) */
-  int64_t pf_bytes[M3_PF_PHASES]; /* bytes each phase sends toward L2; all 0: off */
+  int64_t pf_bytes[M3_PF_PHASES]; /* bytes each phase sends toward L2 (M3KIT_L2_PREFETCH); all 0: off */
   cudaStream_t s2;              /* the branch's stream (NULL while off) */
   cudaEvent_t pf_fork, pf_join;
   int pf_open;                  /* a branch forked and not yet joined back */
+  int pf_auto;                  /* M3KIT_L2_PREFETCH unset: m3_prefetch_default_bytes a step */
 };
 
 
@@ -132,7 +130,7 @@ static m3_status op_end(m3_forward *f, m3_err *e);
 static m3_status check_out(m3_forward *f, int layer, const char *op, const void *p, int64_t n, int dtype, m3_err *e);
 static m3_status prefetch(m3_forward *f, const step *st, int phase, const void *w, int64_t bytes, m3_err *e);
 static m3_status prefetch_join(m3_forward *f, m3_err *e);
-static m3_status prefetch_env(int sm, int64_t out[M3_PF_PHASES], m3_err *e);
+static m3_status prefetch_env(int sm, int64_t out[M3_PF_PHASES], int *dflt_used, m3_err *e);
 enum { DT_BF16, DT_F32 };
 #define OP(name, call)                      \
   do {                                      \
@@ -786,7 +784,7 @@ m3_status m3_forward_create(m3_rt *rt, const m3_model *m, m3_kv_cache *kv, const
   if (!f->o.max_chunk) f->o.max_chunk = 256;
   f->s = rt->stream;
   {
-    m3_status ps = prefetch_env(10 * rt->dev.cc_major + rt->dev.cc_minor, f->pf_bytes, e);
+    m3_status ps = prefetch_env(10 * rt->dev.cc_major + rt->dev.cc_minor, f->pf_bytes, &f->pf_auto, e);
     if (ps == M3_OK && (f->pf_bytes[0] || f->pf_bytes[1] || f->pf_bytes[2])) {
       if (cudaStreamCreateWithFlags(&f->s2, cudaStreamNonBlocking) != cudaSuccess ||
           cudaEventCreateWithFlags(&f->pf_fork, cudaEventDisableTiming) != cudaSuccess ||
@@ -1195,7 +1193,10 @@ void m3_forward_reset_timing(m3_forward *f) {
  * the branches save, negative when they help). */
 static m3_status prefetch(m3_forward *f, const step *st, int phase, const void *w, int64_t bytes, m3_err *e) {
   const int64_t l2 = f->rt->dev.l2_bytes > 0 ? f->rt->dev.l2_bytes : INT64_MAX;
-  const int64_t want = f->pf_bytes[phase] < l2 ? f->pf_bytes[phase] : l2; /* more than L2 holds evicts itself */
+  const int64_t asked = f->pf_auto ? m3_prefetch_default_bytes(10 * f->rt->dev.cc_major + f->rt->dev.cc_minor, phase,
+                                                               st->max_kv)
+                                   : f->pf_bytes[phase];
+  const int64_t want = asked < l2 ? asked : l2; /* more than L2 holds evicts itself */
   if (!st->decode || !want || !f->s2 || !w || bytes <= 0 || !op_wanted(f, "l2_prefetch")) return M3_OK;
   m3_prefetch_plan p;
   M3_TRY(m3_prefetch_plan_for(bytes, want, 64 << 10, &p, e));
@@ -1220,15 +1221,15 @@ static m3_status prefetch_join(m3_forward *f, m3_err *e) {
 
 /* M3KIT_L2_PREFETCH: "MB" for every phase, or "O,F,Q" MB for the three
  * (o_proj, the FFN's first GEMV, the next qkv), each an integer in [0, 256];
- * "0": off.  Unset or empty: 24,16,0 on sm_90+, where it was measured
- * (H100, device runs 84-86: the step -0.14 ms at 8K, -0.11 ms at 128K; the
- * qkv phase, whose window is one norm long, +0.6 ms: its branch is still
- * streaming when the qkv GEMV starts), off on older SMs. */
-static m3_status prefetch_env(int sm, int64_t out[M3_PF_PHASES], m3_err *e) {
-  static const int64_t dflt[M3_PF_PHASES] = {24, 16, 0};
-  for (int i = 0; i < M3_PF_PHASES; i++) out[i] = sm >= 90 ? dflt[i] << 20 : 0;
+ * "0": off.  Unset or empty (*dflt_used = 1): m3_prefetch_default_bytes at
+ * each step's context (out then holds its short-context bytes, so that the
+ * branch's stream exists where any phase may use it). */
+static m3_status prefetch_env(int sm, int64_t out[M3_PF_PHASES], int *dflt_used, m3_err *e) {
   const char *v = getenv("M3KIT_L2_PREFETCH");
-  if (!v || !*v) return M3_OK;
+  *dflt_used = !v || !*v;
+  for (int i = 0; i < M3_PF_PHASES; i++) /* the default's most, at short contexts: whether a branch is needed */
+    out[i] = *dflt_used ? m3_prefetch_default_bytes(sm, i, 0) : 0;
+  if (*dflt_used) return M3_OK;
   long mb[M3_PF_PHASES];
   int n = 0;
   const char *c = v;

@@ -25,6 +25,15 @@ m3_status m3_prefetch_plan_for(int64_t total, int64_t want, int64_t chunk, m3_pr
   return M3_OK;
 }
 
+int64_t m3_prefetch_default_bytes(int sm, int phase, int64_t ctx) {
+  if (sm < 90) return 0;
+  switch (phase) {
+  case M3_PF_OPROJ: return ctx <= 327680 ? 24ll << 20 : 0; /* between the 256K that gains and the 384K that loses */
+  case M3_PF_FFN: return 16ll << 20;
+  default: return 0;
+  }
+}
+
 m3_status m3_prefetch_key(m3_variant *v, m3_err *e) { return m3_variant_parse("l2_prefetch()", v, e); }
 
 m3_status m3_launch_prefetch(const m3_kernel *k, const void *base, int64_t total, const m3_prefetch_plan *p,

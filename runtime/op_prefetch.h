@@ -31,6 +31,20 @@ typedef struct m3_prefetch_plan {
  * chunk). */
 m3_status m3_prefetch_plan_for(int64_t total, int64_t want, int64_t chunk, m3_prefetch_plan *p, m3_err *e);
 
+/* The decode step's phases: what the branch forked after each GEMV sends
+ * toward L2 for the next one (runtime/forward.c prefetch()). */
+enum { M3_PF_OPROJ, M3_PF_FFN, M3_PF_QKV, M3_PF_PHASES };
+
+/* The default bytes of a phase (M3KIT_L2_PREFETCH unset) for a decode step
+ * on SM arch sm (e.g. 90) whose context bucket is ctx tokens: 24 MB for
+ * o_proj up to 320K tokens, 16 MB for the FFN's first GEMV, none for qkv_proj;
+ * nothing before sm_90, where it was never measured.  Evidence (H100, whole
+ * steps, device runs 84-88): 24,16,0 -0.14 ms at 8K, -0.11 ms at 128K; the
+ * qkv phase, whose window is one norm long, +0.6 ms (its branch still
+ * streams when the qkv GEMV starts); the o_proj phase -0.09 ms at 256K but
+ * +0.14 ms at 384K, where the indexer in its window keeps DRAM busy itself. */
+int64_t m3_prefetch_default_bytes(int sm, int phase, int64_t ctx);
+
 /* The kernel's key, "l2_prefetch()" (its default tile: op=bulk on sm_90+,
  * op=lines before). */
 m3_status m3_prefetch_key(m3_variant *v, m3_err *e);

@@ -2,7 +2,8 @@
  * GPU: over many region sizes, wants and chunks, the items stay inside the
  * region, start on 16-byte boundaries, cover what was asked (and less than
  * one chunk more), and are spread over the whole region rather than packed
- * at its start (the GEMV's CTAs each own rows all over it).  The kernel's
+ * at its start (the GEMV's CTAs each own rows all over it); and the default
+ * bytes a phase.  The kernel's
  * effect on values (none) is checked on the GPU and the emulator by
  * check_forward_gpu's case l2_prefetch. */
 #include <check.h>
@@ -72,11 +73,33 @@ START_TEST(plan_refuses_bad_arguments) {
 }
 END_TEST
 
+/* The default (M3KIT_L2_PREFETCH unset), as measured in device runs 84-88:
+ * nothing before sm_90; o_proj 24 MB up to 320K tokens and none beyond
+ * (the indexer in its window keeps DRAM busy at 384K); the FFN 16 MB at
+ * every context; never the qkv phase (its window is one norm long). */
+START_TEST(default_bytes_follow_the_measurements) {
+  const int64_t MB = 1 << 20;
+  static const int64_t ctxs[] = {0, 8320, 131200, 262272, 327680, 327681, 393344, 1048704};
+  for (size_t i = 0; i < sizeof ctxs / sizeof *ctxs; i++) {
+    const int64_t c = ctxs[i];
+    for (int ph = 0; ph < M3_PF_PHASES; ph++) {
+      ck_assert_int_eq(m3_prefetch_default_bytes(80, ph, c), 0);
+      ck_assert_int_eq(m3_prefetch_default_bytes(89, ph, c), 0);
+    }
+    ck_assert_int_eq(m3_prefetch_default_bytes(90, M3_PF_OPROJ, c), c <= 327680 ? 24 * MB : 0);
+    ck_assert_int_eq(m3_prefetch_default_bytes(90, M3_PF_FFN, c), 16 * MB);
+    ck_assert_int_eq(m3_prefetch_default_bytes(90, M3_PF_QKV, c), 0);
+    ck_assert_int_eq(m3_prefetch_default_bytes(100, M3_PF_FFN, c), 16 * MB);
+  }
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("prefetch");
   TCase *tc = tcase_create("plan");
   tcase_add_test(tc, plan_covers_and_spreads);
   tcase_add_test(tc, plan_refuses_bad_arguments);
+  tcase_add_test(tc, default_bytes_follow_the_measurements);
   suite_add_tcase(s, tc);
   SRunner *sr = srunner_create(s);
   srunner_run_all(sr, CK_NORMAL);
