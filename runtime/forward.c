@@ -6,7 +6,6 @@
  * decode, cuBLAS at prefill), CUDA graphs, timing, the numerics check. */
 #include "runtime/forward.h"
 
-#include <errno.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdlib.h>
@@ -1181,7 +1180,7 @@ void m3_forward_reset_timing(m3_forward *f) {
   f->n_ev = 0;
 }
 
-/* ---- M3KIT_CHECK_NUMERICS: NaN/Inf scan of an op's output -------------- */
+/* ---- L2 prefetch branches of a decode step --------------------------- */
 
 /* The decode step's L2 prefetch (op_prefetch.h): a branch forked from f->s
  * here, on f->s2, sends `want` bytes of the region w (the next GEMV's
@@ -1191,12 +1190,20 @@ void m3_forward_reset_timing(m3_forward *f) {
  * joined.  Decode steps only, as M3KIT_L2_PREFETCH says (prefetch_env); the
  * graph breakdown lists it as "l2_prefetch" (its "in the step" column is what
  * the branches save, negative when they help). */
-static m3_status prefetch(m3_forward *f, const step *st, int phase, const void *w, int64_t bytes, m3_err *e) {
+void m3_forward_l2_prefetch(const m3_forward *f, int64_t ctx, int64_t out[3]) {
   const int64_t l2 = f->rt->dev.l2_bytes > 0 ? f->rt->dev.l2_bytes : INT64_MAX;
-  const int64_t asked = f->pf_auto ? m3_prefetch_default_bytes(10 * f->rt->dev.cc_major + f->rt->dev.cc_minor, phase,
-                                                               st->max_kv)
-                                   : f->pf_bytes[phase];
-  const int64_t want = asked < l2 ? asked : l2; /* more than L2 holds evicts itself */
+  for (int i = 0; i < M3_PF_PHASES; i++) {
+    const int64_t asked = !f->s2 ? 0
+                          : f->pf_auto ? m3_prefetch_default_bytes(10 * f->rt->dev.cc_major + f->rt->dev.cc_minor, i, ctx)
+                                       : f->pf_bytes[i];
+    out[i] = asked < l2 ? asked : l2; /* more than L2 holds evicts itself */
+  }
+}
+
+static m3_status prefetch(m3_forward *f, const step *st, int phase, const void *w, int64_t bytes, m3_err *e) {
+  int64_t all[M3_PF_PHASES];
+  m3_forward_l2_prefetch(f, st->max_kv, all);
+  const int64_t want = all[phase];
   if (!st->decode || !want || !f->s2 || !w || bytes <= 0 || !op_wanted(f, "l2_prefetch")) return M3_OK;
   m3_prefetch_plan p;
   M3_TRY(m3_prefetch_plan_for(bytes, want, 64 << 10, &p, e));
@@ -1219,36 +1226,18 @@ static m3_status prefetch_join(m3_forward *f, m3_err *e) {
   return M3_OK;
 }
 
-/* M3KIT_L2_PREFETCH: "MB" for every phase, or "O,F,Q" MB for the three
- * (o_proj, the FFN's first GEMV, the next qkv), each an integer in [0, 256];
- * "0": off.  Unset or empty (*dflt_used = 1): m3_prefetch_default_bytes at
- * each step's context (out then holds its short-context bytes, so that the
- * branch's stream exists where any phase may use it). */
+/* M3KIT_L2_PREFETCH (m3_prefetch_parse).  Unset or empty (*dflt_used = 1):
+ * m3_prefetch_default_bytes at each step's context; out then holds its
+ * short-context bytes, so that the branch's stream exists where any phase
+ * may use it. */
 static m3_status prefetch_env(int sm, int64_t out[M3_PF_PHASES], int *dflt_used, m3_err *e) {
-  const char *v = getenv("M3KIT_L2_PREFETCH");
-  *dflt_used = !v || !*v;
-  for (int i = 0; i < M3_PF_PHASES; i++) /* the default's most, at short contexts: whether a branch is needed */
-    out[i] = *dflt_used ? m3_prefetch_default_bytes(sm, i, 0) : 0;
-  if (*dflt_used) return M3_OK;
-  long mb[M3_PF_PHASES];
-  int n = 0;
-  const char *c = v;
-  for (;;) {
-    char *end;
-    errno = 0;
-    long x = strtol(c, &end, 10);
-    if (end == c || errno || x < 0 || x > 256 || n == M3_PF_PHASES || (*end && *end != ','))
-      return m3_errf(e, M3_INVAL, "M3KIT_L2_PREFETCH='%s': want MB (one integer in [0, 256] for every phase, or three "
-                     "separated by commas: o_proj, the FFN's first GEMV, the next qkv_proj)", v);
-    mb[n++] = x;
-    if (!*end) break;
-    c = end + 1;
-  }
-  if (n != 1 && n != M3_PF_PHASES)
-    return m3_errf(e, M3_INVAL, "M3KIT_L2_PREFETCH='%s': one value or three (o_proj, FFN, qkv_proj), not %d", v, n);
-  for (int i = 0; i < M3_PF_PHASES; i++) out[i] = (int64_t)mb[n == 1 ? 0 : i] << 20;
+  M3_TRY(m3_prefetch_parse(getenv("M3KIT_L2_PREFETCH"), out, dflt_used, e));
+  if (*dflt_used)
+    for (int i = 0; i < M3_PF_PHASES; i++) out[i] = m3_prefetch_default_bytes(sm, i, 0);
   return M3_OK;
 }
+
+/* ---- M3KIT_CHECK_NUMERICS: NaN/Inf scan of an op's output -------------- */
 
 static m3_status check_out(m3_forward *f, int layer, const char *op, const void *p, int64_t n, int dtype, m3_err *e) {
   if (!f->check || f->capturing || n <= 0) return M3_OK;

@@ -83,6 +83,13 @@ m3_status m3_forward_create(m3_rt *rt, const m3_model *m, m3_kv_cache *kv, const
                             m3_forward **out, m3_err *e);
 void m3_forward_free(m3_forward *f);
 
+/* Bytes each L2 prefetch phase of a decode step sends toward L2 (o_proj,
+ * the FFN's first GEMV, qkv_proj: runtime/op_prefetch.h M3_PF_*) at a
+ * context of ctx tokens: M3KIT_L2_PREFETCH's values, or the default's at that
+ * context (m3_prefetch_default_bytes), capped at the device's L2 size; all 0
+ * when off.  out[3]. */
+void m3_forward_l2_prefetch(const m3_forward *f, int64_t ctx, int64_t out[3]);
+
 /* Prefill: append n tokens (host ids [n]) to admitted sequence seq, in chunks
  * of max_chunk; logits of the last token [vocab] fp32 to the host (may be
  * NULL); *next receives the token chosen from them (may be NULL), sampled as

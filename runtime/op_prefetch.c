@@ -34,6 +34,29 @@ int64_t m3_prefetch_default_bytes(int sm, int phase, int64_t ctx) {
   }
 }
 
+m3_status m3_prefetch_parse(const char *v, int64_t out[M3_PF_PHASES], int *is_default, m3_err *e) {
+  for (int i = 0; i < M3_PF_PHASES; i++) out[i] = 0;
+  *is_default = !v || !*v;
+  if (*is_default) return M3_OK;
+  int64_t mb[M3_PF_PHASES];
+  int n = 0;
+  for (const char *c = v;;) {
+    int64_t x = 0;
+    const char *d = c;
+    while (*d >= '0' && *d <= '9' && x <= 256) x = 10 * x + (*d++ - '0');
+    if (d == c || x > 256 || n == M3_PF_PHASES || (*d && *d != ','))
+      return m3_errf(e, M3_INVAL, "M3KIT_L2_PREFETCH='%s': want MiB a phase: one integer in [0, 256] for all three "
+                     "phases, or three separated by commas (o_proj, the FFN's first GEMV, qkv_proj), e.g. 24,16,0", v);
+    mb[n++] = x;
+    if (!*d) break;
+    c = d + 1;
+  }
+  if (n != 1 && n != M3_PF_PHASES)
+    return m3_errf(e, M3_INVAL, "M3KIT_L2_PREFETCH='%s': one value or three (o_proj, FFN, qkv_proj), not %d", v, n);
+  for (int i = 0; i < M3_PF_PHASES; i++) out[i] = mb[n == 1 ? 0 : i] << 20;
+  return M3_OK;
+}
+
 m3_status m3_prefetch_key(m3_variant *v, m3_err *e) { return m3_variant_parse("l2_prefetch()", v, e); }
 
 m3_status m3_launch_prefetch(const m3_kernel *k, const void *base, int64_t total, const m3_prefetch_plan *p,

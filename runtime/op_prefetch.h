@@ -35,7 +35,7 @@ m3_status m3_prefetch_plan_for(int64_t total, int64_t want, int64_t chunk, m3_pr
  * toward L2 for the next one (runtime/forward.c prefetch()). */
 enum { M3_PF_OPROJ, M3_PF_FFN, M3_PF_QKV, M3_PF_PHASES };
 
-/* The default bytes of a phase (M3KIT_L2_PREFETCH unset) for a decode step
+/* The default bytes of a phase (M3KIT_L2_PREFETCH unset or empty) for a decode step
  * on SM arch sm (e.g. 90) whose context bucket is ctx tokens: 24 MB for
  * o_proj up to 320K tokens, 16 MB for the FFN's first GEMV, none for qkv_proj;
  * nothing before sm_90, where it was never measured.  Evidence (H100, whole
@@ -44,6 +44,14 @@ enum { M3_PF_OPROJ, M3_PF_FFN, M3_PF_QKV, M3_PF_PHASES };
  * streams when the qkv GEMV starts); the o_proj phase -0.09 ms at 256K but
  * +0.14 ms at 384K, where the indexer in its window keeps DRAM busy itself. */
 int64_t m3_prefetch_default_bytes(int sm, int phase, int64_t ctx);
+
+/* Parse a value of M3KIT_L2_PREFETCH: MiB (2^20 bytes) a phase, one integer
+ * in [0, 256] for all three phases or three separated by commas (o_proj,
+ * the FFN's first GEMV, qkv_proj), written in decimal digits alone.  out
+ * [M3_PF_PHASES] receives bytes.  v NULL or "": *is_default = 1 and out all
+ * 0 (the caller uses m3_prefetch_default_bytes); else *is_default = 0.
+ * Errors: M3_INVAL naming the variable and the value. */
+m3_status m3_prefetch_parse(const char *v, int64_t out[M3_PF_PHASES], int *is_default, m3_err *e);
 
 /* The kernel's key, "l2_prefetch()" (its default tile: op=bulk on sm_90+,
  * op=lines before). */

@@ -54,6 +54,7 @@
 
 #include "ref/ref_forward.h"
 #include "runtime/forward.h"
+#include "runtime/op_prefetch.h"
 #include "tests/forward_cfg.h"
 #include "tests/gpu_main.h"
 
@@ -429,6 +430,17 @@ START_TEST(l2_prefetch) {
     gpu_run g;
     gpu_open(&g, 0, 0, 1, 1);
     ck_assert_int_eq(unsetenv("M3KIT_L2_PREFETCH"), 0);
+    /* the bytes in effect (m3_forward_l2_prefetch): "0" none, "1" 1 MiB a phase, unset the default */
+    for (int64_t ctx = 8192; ctx <= 524288; ctx *= 64) {
+      int64_t pf[3];
+      m3_forward_l2_prefetch(g.f, ctx, pf);
+      for (int ph = 0; ph < 3; ph++) {
+        const int64_t asked = arm == 0 ? 0 : arm == 1 ? 1 << 20 : m3_prefetch_default_bytes(sm, ph, ctx),
+                      l2 = g_rt.dev.l2_bytes > 0 ? g_rt.dev.l2_bytes : INT64_MAX, want = asked < l2 ? asked : l2;
+        ck_assert_msg(pf[ph] == want, "arm %d ctx %lld phase %d: %lld bytes, want %lld", arm, (long long)ctx, ph,
+                      (long long)pf[ph], (long long)want);
+      }
+    }
     m3_err e = {0};
     int32_t tok;
     ck_assert_msg(m3_forward_prefill(g.f, g.seq, 40, prompt, NULL, &tok, NULL, &e) == M3_OK, "%s", e.msg);

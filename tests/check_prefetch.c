@@ -2,8 +2,8 @@
  * GPU: over many region sizes, wants and chunks, the items stay inside the
  * region, start on 16-byte boundaries, cover what was asked (and less than
  * one chunk more), and are spread over the whole region rather than packed
- * at its start (the GEMV's CTAs each own rows all over it); and the default
- * bytes a phase.  The kernel's
+ * at its start (the GEMV's CTAs each own rows all over it); the default
+ * bytes a phase; the values M3KIT_L2_PREFETCH takes.  The kernel's
  * effect on values (none) is checked on the GPU and the emulator by
  * check_forward_gpu's case l2_prefetch. */
 #include <check.h>
@@ -94,12 +94,51 @@ START_TEST(default_bytes_follow_the_measurements) {
 }
 END_TEST
 
+/* M3KIT_L2_PREFETCH's values (m3_prefetch_parse): MiB, one or three
+ * decimal integers in [0, 256]; nothing else passes (m3kit refuses a bad
+ * value before any command, the forward when it is created). */
+START_TEST(parse_values) {
+  const int64_t MB = 1 << 20;
+  static const struct { const char *v; int64_t o, f, q; } good[] = {
+      {"0", 0, 0, 0}, {"256", 256, 256, 256}, {"24,16,0", 24, 16, 0}, {"0,0,7", 0, 0, 7}, {"08", 8, 8, 8},
+      {"000000000000000000000000000005", 5, 5, 5}};
+  for (size_t i = 0; i < sizeof good / sizeof *good; i++) {
+    int64_t out[M3_PF_PHASES] = {-1, -1, -1};
+    int dflt = -1;
+    m3_err e = {0};
+    ck_assert_msg(m3_prefetch_parse(good[i].v, out, &dflt, &e) == M3_OK, "'%s': %s", good[i].v, e.msg);
+    ck_assert_int_eq(dflt, 0);
+    ck_assert_int_eq(out[M3_PF_OPROJ], good[i].o * MB);
+    ck_assert_int_eq(out[M3_PF_FFN], good[i].f * MB);
+    ck_assert_int_eq(out[M3_PF_QKV], good[i].q * MB);
+  }
+  static const char *bad[] = {"257", "-1", "-0", "+5", " 5", "5 ", "0x10", "1.5", "abc", "1,2", "1,2,3,",
+                              "1,2,3,4", ",1,2", "1,,2", "99999999999999999999999", "24;16;0"};
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    int64_t out[M3_PF_PHASES];
+    int dflt = -1;
+    m3_err e = {0};
+    ck_assert_msg(m3_prefetch_parse(bad[i], out, &dflt, &e) == M3_INVAL, "'%s' was accepted", bad[i]);
+    ck_assert_msg(strstr(e.msg, "M3KIT_L2_PREFETCH") && strstr(e.msg, bad[i]), "'%s': %s", bad[i], e.msg);
+  }
+  for (int i = 0; i < 2; i++) {
+    int64_t out[M3_PF_PHASES] = {-1, -1, -1};
+    int dflt = 0;
+    m3_err e = {0};
+    ck_assert_int_eq(m3_prefetch_parse(i ? "" : NULL, out, &dflt, &e), M3_OK);
+    ck_assert_int_eq(dflt, 1);
+    ck_assert(out[0] == 0 && out[1] == 0 && out[2] == 0);
+  }
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("prefetch");
   TCase *tc = tcase_create("plan");
   tcase_add_test(tc, plan_covers_and_spreads);
   tcase_add_test(tc, plan_refuses_bad_arguments);
   tcase_add_test(tc, default_bytes_follow_the_measurements);
+  tcase_add_test(tc, parse_values);
   suite_add_tcase(s, tc);
   SRunner *sr = srunner_create(s);
   srunner_run_all(sr, CK_NORMAL);

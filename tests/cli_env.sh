@@ -7,7 +7,7 @@
 # --prompt-ids are bare digits with no trailing comma; a --tp the model cannot
 # be cut into is an option error (exit 2); make-checkpoint refuses an --out
 # that holds a config.json; run with no GPU builds the tuning DB's tiles too;
-# getopt errors say "m3kit CMD:".
+# getopt errors say "m3kit CMD:"; a bad M3KIT_L2_PREFETCH stops every command (exit 2).
 set -eu
 m3kit=${M3KIT_BIN:-./m3kit} # make check exports M3KIT_BIN (Makefile.am)
 fail() { echo "cli_env.sh: $*" >&2; exit 1; }
@@ -90,3 +90,15 @@ for c in tune bench run gen; do
   printf '%s\n' "$out" | head -n 1 | grep -q "^m3kit $c: unrecognized option" || fail "$c --no-such-option: $(printf '%s\n' "$out" | head -n 1)"
 done
 echo "cli_env.sh: option errors name the command"
+
+# M3KIT_L2_PREFETCH is read when a forward is created, after the model has loaded; a bad value stops every
+# command at once (exit 2, naming the variable), also run with no GPU, where no forward is created
+for c in "gen --list" "run --preset tiny --max-new-tokens 2"; do
+  for v in 257 1,2 ' 5' 0x10; do
+    rc=0; out=$(M3KIT_CACHE_DIR="$dir/cp" M3KIT_L2_PREFETCH="$v" "$m3kit" $c 2>&1) || rc=$?
+    [ "$rc" = 2 ] || fail "M3KIT_L2_PREFETCH='$v' $c: exit $rc, want 2"
+    printf '%s\n' "$out" | grep -q "M3KIT_L2_PREFETCH='$v'" || fail "M3KIT_L2_PREFETCH='$v' $c: $out"
+  done
+done
+M3KIT_L2_PREFETCH=24,16,0 "$m3kit" gen --list > /dev/null 2>&1 || fail "M3KIT_L2_PREFETCH=24,16,0 refused"
+echo "cli_env.sh: M3KIT_L2_PREFETCH's bad values stop every command"

@@ -784,6 +784,16 @@ int cmd_run(int argc, char **argv) {
          kv.plan.num_pages, kv.plan.page_size, kv.plan.bytes / 1e9, kv.plan.bytes_per_token, kv8 ? "e4m3" : "bf16",
          ix8 ? "e4m3" : "bf16");
   if ((s = m3_forward_create(&rt, m, &kv, &fo, &f, &e)) != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
+  {
+    int64_t pf[3];
+    const char *pv = getenv("M3KIT_L2_PREFETCH");
+    m3_forward_l2_prefetch(f, total, pf);
+    if (pf[0] || pf[1] || pf[2])
+      printf("L2 prefetch in decode steps at this context: o_proj %.0f, ffn %.0f, qkv %.0f MiB (%s)\n", pf[0] / 1048576.0,
+             pf[1] / 1048576.0, pf[2] / 1048576.0, pv && *pv ? "M3KIT_L2_PREFETCH" : "the default; M3KIT_L2_PREFETCH sets it");
+    else
+      printf("L2 prefetch in decode steps: off%s\n", pv && *pv ? " (M3KIT_L2_PREFETCH)" : " (the default on this SM)");
+  }
   for (int b = 0; b < batch; b++)
     if ((s = m3_kv_admit(&kv, total, &seqs[b], &e)) != M3_OK) { rc = cli_fail("run", s, &e); goto out; }
   if (dump && !(logits = malloc(sizeof *logits * (size_t)max_new * (size_t)batch * (size_t)V))) {

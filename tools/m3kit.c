@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "runtime/op_ffn.h"
+#include "runtime/op_prefetch.h"
 #include "include/m3kit.h"
 #include <errno.h>
 #include <inttypes.h>
@@ -51,8 +52,9 @@ static void usage(FILE *f) {
           "  M3KIT_CHECK_NUMERICS=1  scan every op's output for NaN/Inf, naming the first layer and op\n"
           "  M3KIT_MOE_FUSE       comma list of combine, act, route, norm (all = combine,act; none): MoE decode fusions;\n"
           "                       norm: the combine inside the next add+norm, not with combine (default none)\n"
-          "  M3KIT_L2_PREFETCH    MB of the next GEMV's weights a decode step's graph branch sends toward L2 (one\n"
-          "                       value, or three: o_proj,ffn,qkv; 0 = off; default 24,16,0 on sm_90+, else off)\n"
+          "  M3KIT_L2_PREFETCH    MiB of the next GEMV's weights a decode step's branch sends toward L2: three\n"
+          "                       values o_proj,ffn,qkv (or one for all three), each 0-256, at every context; 0 = off;\n"
+          "                       unset: on sm_90+ o_proj 24 up to 320K tokens of context, ffn 16, qkv 0; else off\n"
           "  M3KIT_TUNE_PIN_SLACK how much slower than its own pick `m3kit tune` keeps a pinned tile (default 0.03)\n"
           "  M3KIT_NCCL_LIB       the NCCL library --tp loads (tried first; then libnccl.so.2, then the toolkit's)\n"
           "(README.md lists the ones for tests: M3KIT_SEED, M3KIT_SMALL)\n"
@@ -78,6 +80,14 @@ int main(int argc, char **argv) {
   unsigned fuse;
   m3_err fe;
   if (m3_moe_fuse_env(&fuse, &fe) != M3_OK) {
+    fprintf(stderr, "m3kit: %s\n", fe.msg);
+    return 2;
+  }
+  /* Read when a forward is created, after the model has loaded: a typo
+   * should not cost the load, nor pass unseen where no GPU runs it. */
+  int64_t pf[M3_PF_PHASES];
+  int pf_dflt;
+  if (m3_prefetch_parse(getenv("M3KIT_L2_PREFETCH"), pf, &pf_dflt, &fe) != M3_OK) {
     fprintf(stderr, "m3kit: %s\n", fe.msg);
     return 2;
   }
