@@ -36,8 +36,8 @@ m3_status m3_prefetch_plan_for(int64_t total, int64_t want, int64_t chunk, m3_pr
 enum { M3_PF_OPROJ, M3_PF_FFN, M3_PF_QKV, M3_PF_PHASES };
 
 /* The default bytes of a phase (M3KIT_L2_PREFETCH unset or empty) for a decode step
- * on SM arch sm (e.g. 90) whose context bucket is ctx tokens: 24 MB for
- * o_proj up to 320K tokens, 16 MB for the FFN's first GEMV, none for qkv_proj;
+ * on SM arch sm (e.g. 90) whose context bucket is ctx tokens: 24 MiB for
+ * o_proj up to 320K tokens, 16 MiB for the FFN's first GEMV, none for qkv_proj;
  * nothing before sm_90, where it was never measured.  Evidence (H100, whole
  * steps, device runs 84-88): 24,16,0 -0.14 ms at 8K, -0.11 ms at 128K; the
  * qkv phase, whose window is one norm long, +0.6 ms (its branch still

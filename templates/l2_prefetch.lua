@@ -13,7 +13,7 @@
 -- streams would compete with it and be evicted by it before use.
 --
 -- The slice is n chunks of `chunk` bytes at a fixed stride through the
--- matrix (m3_prefetch_plan), not its first bytes: every CTA of the GEMV owns
+-- matrix (m3_prefetch_plan_for), not its first bytes: every CTA of the GEMV owns
 -- rows all over the matrix, and each should find the same share in L2, or
 -- the CTAs with hits finish early and leave the rest to stream alone.
 local P = m3.include("lib/prelude")
