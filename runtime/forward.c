@@ -108,7 +108,7 @@ struct m3_forward {
   uint64_t n_ar, n_ag;          /* collectives executed */
   uint64_t n_replays;           /* decode steps replayed from a graph */
   /* L2 prefetch branches of a decode step (prefetch(); M3KIT_L2_PREFETCH) */
-  int64_t pf_bytes[M3_PF_PHASES]; /* bytes each phase sends toward L2 (M3KIT_L2_PREFETCH); all 0: off */
+  int64_t pf_bytes[M3_PF_PHASES]; /* bytes each phase sends toward L2, as M3KIT_L2_PREFETCH says (unset: 0) */
   cudaStream_t s2;              /* the branch's stream (NULL while off) */
   cudaEvent_t pf_fork, pf_join;
   int pf_open;                  /* a branch forked and not yet joined back */
@@ -129,7 +129,6 @@ static m3_status op_end(m3_forward *f, m3_err *e);
 static m3_status check_out(m3_forward *f, int layer, const char *op, const void *p, int64_t n, int dtype, m3_err *e);
 static m3_status prefetch(m3_forward *f, const step *st, int phase, const void *w, int64_t bytes, m3_err *e);
 static m3_status prefetch_join(m3_forward *f, m3_err *e);
-static m3_status prefetch_env(int sm, int64_t out[M3_PF_PHASES], int *dflt_used, m3_err *e);
 enum { DT_BF16, DT_F32 };
 #define OP(name, call)                      \
   do {                                      \
@@ -783,8 +782,14 @@ m3_status m3_forward_create(m3_rt *rt, const m3_model *m, m3_kv_cache *kv, const
   if (!f->o.max_chunk) f->o.max_chunk = 256;
   f->s = rt->stream;
   {
-    m3_status ps = prefetch_env(10 * rt->dev.cc_major + rt->dev.cc_minor, f->pf_bytes, &f->pf_auto, e);
-    if (ps == M3_OK && (f->pf_bytes[0] || f->pf_bytes[1] || f->pf_bytes[2])) {
+    /* the branch's stream where any phase may use it: M3KIT_L2_PREFETCH's
+     * values, or the default's at its shortest context */
+    m3_status ps = m3_prefetch_parse(getenv("M3KIT_L2_PREFETCH"), f->pf_bytes, &f->pf_auto, e);
+    int any = 0;
+    for (int i = 0; i < M3_PF_PHASES; i++)
+      any |= f->pf_auto ? m3_prefetch_default_bytes(10 * rt->dev.cc_major + rt->dev.cc_minor, i, 0) > 0
+                        : f->pf_bytes[i] > 0;
+    if (ps == M3_OK && any) {
       if (cudaStreamCreateWithFlags(&f->s2, cudaStreamNonBlocking) != cudaSuccess ||
           cudaEventCreateWithFlags(&f->pf_fork, cudaEventDisableTiming) != cudaSuccess ||
           cudaEventCreateWithFlags(&f->pf_join, cudaEventDisableTiming) != cudaSuccess)
@@ -1182,14 +1187,6 @@ void m3_forward_reset_timing(m3_forward *f) {
 
 /* ---- L2 prefetch branches of a decode step --------------------------- */
 
-/* The decode step's L2 prefetch (op_prefetch.h): a branch forked from f->s
- * here, on f->s2, sends `want` bytes of the region w (the next GEMV's
- * weights) toward L2 while the stream runs the latency-bound kernels before
- * that GEMV.  Nothing reads what the branch does, so it joins f->s once, at
- * the end of the step (prefetch_join): a capture ends with every branch
- * joined.  Decode steps only, as M3KIT_L2_PREFETCH says (prefetch_env); the
- * graph breakdown lists it as "l2_prefetch" (its "in the step" column is what
- * the branches save, negative when they help). */
 void m3_forward_l2_prefetch(const m3_forward *f, int64_t ctx, int64_t out[3]) {
   const int64_t l2 = f->rt->dev.l2_bytes > 0 ? f->rt->dev.l2_bytes : INT64_MAX;
   for (int i = 0; i < M3_PF_PHASES; i++) {
@@ -1200,6 +1197,14 @@ void m3_forward_l2_prefetch(const m3_forward *f, int64_t ctx, int64_t out[3]) {
   }
 }
 
+/* The decode step's L2 prefetch (op_prefetch.h): a branch forked from f->s
+ * here, on f->s2, sends `want` bytes of the region w (the next GEMV's
+ * weights) toward L2 while the stream runs the latency-bound kernels before
+ * that GEMV.  Nothing reads what the branch does, so it joins f->s once, at
+ * the end of the step (prefetch_join): a capture ends with every branch
+ * joined.  Decode steps only, as m3_forward_l2_prefetch says; the
+ * graph breakdown lists it as "l2_prefetch" (its "in the step" column is what
+ * the branches save, negative when they help). */
 static m3_status prefetch(m3_forward *f, const step *st, int phase, const void *w, int64_t bytes, m3_err *e) {
   int64_t all[M3_PF_PHASES];
   m3_forward_l2_prefetch(f, st->max_kv, all);
@@ -1226,16 +1231,6 @@ static m3_status prefetch_join(m3_forward *f, m3_err *e) {
   return M3_OK;
 }
 
-/* M3KIT_L2_PREFETCH (m3_prefetch_parse).  Unset or empty (*dflt_used = 1):
- * m3_prefetch_default_bytes at each step's context; out then holds its
- * short-context bytes, so that the branch's stream exists where any phase
- * may use it. */
-static m3_status prefetch_env(int sm, int64_t out[M3_PF_PHASES], int *dflt_used, m3_err *e) {
-  M3_TRY(m3_prefetch_parse(getenv("M3KIT_L2_PREFETCH"), out, dflt_used, e));
-  if (*dflt_used)
-    for (int i = 0; i < M3_PF_PHASES; i++) out[i] = m3_prefetch_default_bytes(sm, i, 0);
-  return M3_OK;
-}
 
 /* ---- M3KIT_CHECK_NUMERICS: NaN/Inf scan of an op's output -------------- */
 
