@@ -47,7 +47,7 @@ if has tests; then
     # separate processes (CK_RUN_CASE); FFN_CASES / INDEXER_CASES narrow them.
     cases=-
     [ "$t" = ./check_ffn_gpu ] && cases=${FFN_CASES:-"norm embed route swiglu combine mxfp8 gemv gemv_tiles gemv_ring gemv_epi gemv_lead moe sample"}
-    [ "$t" = ./check_indexer_gpu ] && cases=${INDEXER_CASES:-"decode_mixed decode_spec decode_splits decode_ties decode_nonfinite decode_1m decode_2gib decode_tiles decode_cluster prefill faults"}
+    [ "$t" = ./check_indexer_gpu ] && cases=${INDEXER_CASES:-"decode_mixed decode_spec decode_splits decode_ties decode_nonfinite decode_1m decode_2gib decode_tiles prefill faults"}
     for c in $cases; do
       n=$(basename "$t"); [ "$c" = - ] || n=$n-$c
       ( s=$(date +%s)

@@ -89,21 +89,10 @@ m3_status m3_index_decode_plan(const m3_kernel *k, const m3_idx_args *a, int sm_
   const int64_t slots = (int64_t)(waves > 0 ? waves : 1) * resident * sm_count;
   const int64_t est = (int64_t)a->n_tokens * a->max_blocks;
   int64_t bpc = (est + slots - 1) / slots;
-  const char *merge = m3_variant_tilev(&k->key, "merge");
-  int64_t cs = 1;
-  if (merge && !strcmp(merge, "cluster")) {
-    /* As few splits as one cluster holds: their hand-over is a cluster
-     * barrier, cheaper than another split's share of the stream. */
-    cs = k->mod.max_cluster > 0 ? k->mod.max_cluster : 8;
-    if (cs > 16) cs = 16;
-    bpc = (a->max_blocks + cs - 1) / cs;
-  }
   if (bpc < 1) bpc = 1;
   if (bpc > chunk) bpc = chunk;
   p->bpc = (int)bpc;
-  p->cluster = (int)cs;
   p->max_splits = (int)((a->max_blocks + bpc - 1) / bpc);
-  p->max_splits = (int)((p->max_splits + cs - 1) / cs * cs);
   const int64_t grid = (int64_t)a->n_tokens * p->max_splits;
   if (grid > 0x7fffffff)
     return m3_errf(e, M3_RANGE, "indexer: %d tokens x %d splits is more than 2^31-1 CTAs", a->n_tokens,
@@ -154,7 +143,7 @@ m3_status m3_launch_index_decode(const m3_kernel *k, const m3_idx_args *a, const
   void *args[] = {(void *)&iq, (void *)&data, &num_pages, (void *)&b->block_table, &bt_stride, &n_seqs,
                   (void *)&b->token_seq, (void *)&b->positions, &topk_out, &counters,
                   &heads, &lists, &n_tokens, &max_splits, &bpc, &max_blocks};
-  return m3_launch_cluster(&k->mod, p.grid, 1, 1, (unsigned)p.cluster, (CUstream)stream, args, e);
+  return m3_launch(&k->mod, p.grid, 1, 1, (CUstream)stream, args, e);
 }
 
 size_t m3_index_prefill_scores_bytes(const m3_idx_args *a) {

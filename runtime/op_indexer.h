@@ -80,18 +80,10 @@ m3_status m3_index_prefill_key(const m3_idx_args *a, m3_idx_stage stage, m3_vari
  * resident wave of CTAs for one long sequence (8K: 1 block per split, 128K:
  * 2, 1M: 16 on an H200 with R = 4), bounded splits for big batches so that
  * the CTA dispatch balances mixed lengths; a token with nb visible blocks
- * uses ceil(nb / bpc) of the grid's max_splits CTAs.
- * Tile merge=cluster (sm_90): a token's splits are thread-block clusters of
- * cluster = min(k->mod.max_cluster, 16) CTAs (8 when the driver could not
- * tell, 1 when no cluster fits), and bpc = ceil(max_blocks / cluster)
- * clamped to [1, tile.chunk], so that one cluster covers a token where chunk
- * allows (8K on an H100: 16 splits of 4 blocks); max_splits is rounded up to
- * a multiple of cluster.  The workspace is as for the other merges (a token
- * with several clusters hands over through it). */
+ * uses ceil(nb / bpc) of the grid's max_splits CTAs. */
 typedef struct m3_idx_decode_plan {
   int bpc;               /* blocks per split */
-  int max_splits;        /* ceil(max_blocks / bpc), a multiple of cluster */
-  int cluster;           /* CTAs per thread-block cluster along the grid (1: no cluster) */
+  int max_splits;        /* ceil(max_blocks / bpc) */
   unsigned grid;         /* n_tokens * max_splits CTAs */
   size_t ws_bytes;       /* workspace needed; 0 when max_splits == 1 */
   size_t off_heads, off_lists; /* byte offsets of the split maxima and lists */

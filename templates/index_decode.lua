@@ -44,13 +44,10 @@
 -- acq_rel atomic instead of seq_cst fences, takes one-block splits' candidates
 -- straight from their heads (no list fetch), compacts candidates by ballot
 -- and ranks the usual few by shuffles; merge=fence is the older code, kept
--- byte for byte so the tuning records that timed it stay valid.  merge=cluster
--- (sm_90) hands over inside a thread-block cluster instead, through
--- distributed shared memory, with fewer, longer splits (CLUSTER_LEVEL below).
+-- byte for byte so the tuning records that timed it stay valid.
 local P = m3.include("lib/prelude")
 local I = m3.include("lib/indexer")
 local LEAD = m3.include("lib/lead")
-local CLUSTER = m3.include("lib/cluster")
 
 local T = {}
 T.name = "index_decode"
@@ -67,10 +64,8 @@ T.tiles = {
   {"cvt", {"alu", "hw"}},       -- e4m3 -> fp16: bit moves, or cvt.rn.f16x2.e4m3x2
   {"lead", {0, 1, 2}},          -- 1: metadata, block table and an L2 prefetch of the first keys before the grid wait;
                                 --   2: as 1, and the first keys are requested before the query, in one round trip
-  {"merge", {"fence", "acqrel", "cluster"}}, -- how a split hands over: __threadfence x2 + atomicAdd, or one acq_rel
-                                --   atomic (and, with one block a split, the merge takes its candidates from the split
-                                --   heads); cluster (sm_90): a token's splits are thread-block clusters that merge in
-                                --   distributed shared memory, and only several clusters of a token hand over (acqrel)
+  {"merge", {"fence", "acqrel"}}, -- how a split hands over: __threadfence x2 + atomicAdd, or one acq_rel atomic
+                                --   (and, with one block a split, the merge takes its candidates from the split heads)
 }
 
 function T.valid(k, t, arch)
@@ -86,10 +81,6 @@ function T.valid(k, t, arch)
   if t.cvt == "hw" and k.idxk ~= "e4m3" then return false, "cvt=hw converts e4m3 only: bf16 keys need no conversion (cvt=alu)" end
   if t.cvt == "hw" and sm < 89 then return false, "cvt.rn.f16x2.e4m3x2 needs sm_89+" end
   if t.lead >= 1 and sm < 90 then return false, "lead=" .. t.lead .. " overlaps the previous kernel through programmatic dependent launch (sm_90+)" end
-  if t.merge == "cluster" and sm < 90 then return false, "merge=cluster merges in a thread-block cluster's distributed shared memory (sm_90+)" end
-  if t.merge == "cluster" and t.waves ~= 1 then
-    return false, "merge=cluster sizes its splits by the cluster (runtime/op_indexer.c), not by waves: use waves=1"
-  end
   return true
 end
 
@@ -314,7 +305,9 @@ $prologue$opening    for (int base = u0; base < u1; base += DEPTH) {
     if (n_splits == 1) {
       if (lane < TOPK) out[((i64)h * n_tokens + t) * TOPK + lane] = s_lk[w][lane] ? key_id(s_lk[w][lane]) : -1;
     } else {
-$split_out    }
+      if (lane < TOPK) lists[(((i64)t * max_splits + sp) * H + h) * TOPK + lane] = s_lk[w][lane];
+      if (lane == 0) heads[((i64)t * H + h) * max_splits + sp] = s_lk[w][0];
+    }
     __syncwarp();
   }
   if (n_splits == 1) return;
@@ -391,7 +384,7 @@ $rank    } else { /* degenerate (mass ties): exact selection, one rank per pass 
     if (lane < TOPK) out[((i64)h * n_tokens + t) * TOPK + lane] = s_out[w][lane];
     __syncwarp();
   }
-  if (tid == 0) counters[t] = 0u; /* ready for the next launch */$merge_close
+  if (tid == 0) counters[t] = 0u; /* ready for the next launch */
 }
 ]]
 
@@ -602,136 +595,6 @@ M3_DEV void warp_rank_top_shfl(const u64 *cand, int n, int K, int *out_s) {
   },
 }
 
--- merge=cluster (sm_90).  The launcher (runtime/op_indexer.c) makes each
--- token's splits whole clusters of csz CTAs (csz = the widest cluster the part
--- places, at most 16) and lengthens the splits so that a token needs one
--- cluster where chunk allows: at 8K on an H100, 16 splits of 4 blocks.  Each
--- split keeps its ranked lists in shared memory; after one cluster barrier the
--- cluster's first CTA reads every split's lists through distributed shared
--- memory (all loads in flight together: one round trip) and ranks them, and
--- a second barrier lets the others exit.  No workspace, no hand-over atomic,
--- no L2 round trips - the three after the last split that merge=acqrel pays.
--- A token with several clusters (long contexts: splits are at most chunk
--- blocks) publishes each cluster's list as a split and merges them as
--- merge=acqrel does (bpc 0: the lists path).  Static __shared__ arrays become
--- one struct in dynamic shared memory, as the emulator runs cluster kernels
--- with dynamic shared memory only (docs/emulator.md).
-local CLUSTER_IDX_DEFS = [[
-#define CLW ((CLUSTER_MAX * TOPK + 31) / 32) /* a cluster's list entries a lane reads */
-M3_DEV u64 ld_dsmem64(const u64 *p, unsigned rank) {
-#ifdef __CUDA_ARCH__
-  u64 v;
-  asm volatile("ld.shared::cluster.u64 %0, [%1];" : "=l"(v) : "r"(dsmem_addr(p, rank)) : "memory");
-  return v;
-#else
-  return *m3emu_map_shared(p, rank);
-#endif
-}
-/* A split past its token's last: it has no list, but the splits of its
- * cluster wait for it at both cluster barriers (with one split the first
- * CTA answers alone and no CTA of the token waits). */
-M3_DEV void cluster_idle(int sp, int n_splits) {
-  const int csz = (int)cluster_nctarank();
-  if (n_splits > 1 && csz > 1 && sp / csz == (n_splits - 1) / csz) {
-    cluster_sync();
-    cluster_sync();
-  }
-}
-/* The top K of n (<= 64) distinct non-zero keys, largest first, into kout[0..K)
- * (0 where fewer): each lane holds up to two and counts the larger ones
- * over shuffles. */
-M3_DEV void warp_top_keys_shfl(const u64 *cand, int n, int K, u64 *kout) {
-  const int lane = threadIdx.x & 31;
-  const u64 a = lane < n ? cand[lane] : 0ull, b = lane + 32 < n ? cand[lane + 32] : 0ull;
-  __syncwarp();
-  if (lane < K) kout[lane] = 0ull;
-  int ra = 0, rb = 0;
-#pragma unroll 8
-  for (int j = 0; j < 32; j++) {
-    const u64 x = __shfl_sync(FULL, a, j), y = __shfl_sync(FULL, b, j);
-    ra += (x > a) + (y > a), rb += (x > b) + (y > b);
-  }
-  __syncwarp();
-  if (a != 0ull && ra < K) kout[ra] = a;
-  if (b != 0ull && rb < K) kout[rb] = b;
-  __syncwarp();
-}
-]]
-
-local CLUSTER_LEVEL = [[
-  /* ---- merge=cluster: the splits of this CTA's cluster merge in its first CTA ---- */
-  const int csz = (int)cluster_nctarank();
-  if (max_splits % csz) __trap(); /* a token's splits must be whole clusters (the launcher's plan) */
-  const int cl = sp / csz, rk = sp - cl * csz;
-  const int nin = min(csz, n_splits - cl * csz); /* splits of this cluster with a list */
-  const int ncl = (n_splits + csz - 1) / csz;    /* clusters of this token */
-  if (csz > 1) cluster_sync();                   /* every split's s_hl, seen by every CTA of the cluster */
-  if (rk == 0) {
-    for (int h = w; h < H; h += NW) {
-      u64 x[CLW], mx = 0ull;
-#pragma unroll
-      for (int j = 0; j < CLW; j++) { /* all loads first: one DSMEM round trip */
-        const int i = 32 * j + lane, s2 = i / TOPK;
-        x[j] = s2 < nin ? ld_dsmem64(&s_hl[h][i - s2 * TOPK], (unsigned)s2) : 0ull;
-        mx = x[j] > mx ? x[j] : mx;
-      }
-      /* TOPK lanes hold a key >= thr, so the top TOPK are all >= thr */
-      const u64 thr = warp_kth_largest(mx, TOPK);
-      const unsigned lt = (1u << lane) - 1u;
-      int nc = 0;
-#pragma unroll
-      for (int j = 0; j < CLW; j++) {
-        const int p = x[j] != 0ull && x[j] >= thr;
-        const unsigned m = __ballot_sync(FULL, p);
-        const int at = nc + __popc(m & lt);
-        if (p && at < 64) s_keys[w][at] = x[j];
-        nc += __popc(m);
-      }
-      __syncwarp();
-      if (nc <= 64) {
-        warp_top_keys_shfl(s_keys[w], nc, TOPK, s_lk[w]);
-      } else { /* many candidates (ties of the threshold's order): exact selection from the registers */
-        u64 prev = ~0ull;
-        for (int r = 0; r < TOPK; r++) {
-          u64 best = 0ull;
-#pragma unroll
-          for (int j = 0; j < CLW; j++) best = x[j] < prev && x[j] > best ? x[j] : best;
-          best = warp_max64(best);
-          if (lane == 0) s_lk[w][r] = best;
-          prev = best;
-        }
-        __syncwarp();
-      }
-      if (ncl == 1) {
-        if (lane < TOPK) out[((i64)h * n_tokens + t) * TOPK + lane] = s_lk[w][lane] ? key_id(s_lk[w][lane]) : -1;
-      } else {
-        if (lane < TOPK) lists[(((i64)t * max_splits + cl) * H + h) * TOPK + lane] = s_lk[w][lane];
-        if (lane == 0) heads[((i64)t * H + h) * max_splits + cl] = s_lk[w][0];
-      }
-      __syncwarp();
-    }
-  }
-  if (csz > 1) cluster_sync(); /* no CTA leaves while the first may still read its shared memory */
-  if (rk != 0 || ncl == 1) return;
-  { /* several clusters: each cluster's list is a split of the hand-over below (bpc 0: lists, not heads) */
-    const int n_splits = ncl, bpc = 0;
-]]
-
--- A split's ranked lists stay in shared memory for the cluster merge.
-local CLUSTER_SPLIT_OUT = [[
-      if (lane < TOPK) s_hl[h][lane] = s_lk[w][lane];
-]]
-local GLOBAL_SPLIT_OUT = [[
-      if (lane < TOPK) lists[(((i64)t * max_splits + sp) * H + h) * TOPK + lane] = s_lk[w][lane];
-      if (lane == 0) heads[((i64)t * H + h) * max_splits + sp] = s_lk[w][0];
-]]
-MERGE.cluster = {}
-for k2, v2 in pairs(MERGE.acqrel) do MERGE.cluster[k2] = v2 end
-MERGE.cluster.defs = CLUSTER.defs .. MERGE.acqrel.defs .. CLUSTER_IDX_DEFS
-MERGE.cluster.publish = CLUSTER_LEVEL .. MERGE.acqrel.publish
-MERGE.cluster.merge_close = "\n  }"
-MERGE.cluster.split_out = CLUSTER_SPLIT_OUT
-
 -- The kernel's opening, in pieces: lead=0 keeps the order the tuning records
 -- before the lead axis timed, byte for byte; lead=1 moves what needs no
 -- kernel's output in front of the grid wait.
@@ -823,86 +686,29 @@ local LEAD_PREFETCH = [[
   M3_GRID_WAIT(); /* the query and the keys after it */
 ]]
 
--- merge=cluster: PRE.A's arrays (and s_hl, a split's lists) as one struct in
--- dynamic shared memory of smem_bytes (the emulator's cluster kernels have no
--- static __shared__), and a split past the token's last waits at its
--- cluster's barriers before it leaves.
-local PRE_A_CLUSTER = [[
-  struct smem_t {
-    u64 s_keys[NW][CAP];
-    u64 s_lk[NW][32];
-    u64 s_hl[H][32]; /* this split's ranked lists, read by the cluster merge */
-    unsigned s_bmax[H][MAXB];
-    float s_q[H * HD];
-    int s_page[MAXB];
-    int s_out[NW][32];
-    int s_cnt[NW];
-    int s_sv[NW][SVCAP];
-    int s_slow[NW][MAXB + 2]; /* portions to recompute exactly: bl << 16 | first group << 8 | end group */
-    int s_last;
-  };
-  static_assert(sizeof(smem_t) <= SMEM_BYTES, "index_decode: the launch's dynamic shared memory is too small");
-  extern __shared__ __attribute__((aligned(16))) unsigned char smem_raw[];
-  smem_t &S = *reinterpret_cast<smem_t *>(smem_raw);
-  auto &s_keys = S.s_keys;
-  auto &s_lk = S.s_lk;
-  auto &s_hl = S.s_hl;
-  auto &s_bmax = S.s_bmax;
-  auto &s_q = S.s_q;
-  auto &s_page = S.s_page;
-  auto &s_out = S.s_out;
-  auto &s_cnt = S.s_cnt;
-  auto &s_sv = S.s_sv;
-  auto &s_slow = S.s_slow;
-  int &s_last = S.s_last;
-
-  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
-  const int t = (int)(blockIdx.x / (unsigned)max_splits);
-  const int sp = (int)(blockIdx.x - (unsigned)t * (unsigned)max_splits);
-]]
-
--- Bytes of PRE_A_CLUSTER's struct (u64 arrays first, so no padding inside),
--- rounded up to 16.  The kernel asserts that it is enough.
-local function smem_bytes(k, t)
-  local H, NW, MAXB, HD, CAP, SVCAP = k.heads, t.warps, 64, 128, 256, 256
-  local n = 8 * (NW * CAP + NW * 32 + H * 32) +
-            4 * (H * MAXB + H * HD + MAXB + NW * 32 + NW + NW * SVCAP + NW * (MAXB + 2) + 1)
-  return (n + 15) // 16 * 16
-end
-
-local function prologue(lead, cluster, smem)
-  local A, C = PRE.A, PRE.C
-  if cluster then
-    A = PRE_A_CLUSTER:gsub("SMEM_BYTES", tostring(smem))
-    local n
-    C, n = C:gsub("  if %(sp >= n_splits%) return;\n", "  if (sp >= n_splits) {\n    cluster_idle(sp, n_splits);\n    return;\n  }\n")
-    assert(n == 1, "index_decode: PRE.C's early exit not found")
-  end
-  if lead == 0 then return W .. A .. PRE.PW .. PRE.B .. C .. PRE.D .. PRE.E end
-  return LEAD_IN .. A .. PRE.B .. PRE.D .. PRE.E .. LEAD_PREFETCH .. C
+local function prologue(lead)
+  if lead == 0 then return W .. PRE.A .. PRE.PW .. PRE.B .. PRE.C .. PRE.D .. PRE.E end
+  return LEAD_IN .. PRE.A .. PRE.B .. PRE.D .. PRE.E .. LEAD_PREFETCH .. PRE.C
 end
 
 function T.render(k, t, arch, sym)
   local e4 = k.idxk == "e4m3"
   local M = MERGE[t.merge]
-  local cluster = t.merge == "cluster"
-  local smem = cluster and smem_bytes(k, t) or 0
   local v = {
     heads = k.heads, bs = k.bs, topk = k.topk, init = k.init, ["local"] = k["local"],
     e4m3 = e4 and 1 or 0, warps = t.warps, depth = t.depth, sym = sym,
-    prologue = prologue(t.lead, cluster, smem), lead_defs = (t.lead >= 1 and LEAD.defs or "") .. M.defs,
+    prologue = prologue(t.lead), lead_defs = (t.lead >= 1 and LEAD.defs or "") .. M.defs,
     opening = t.lead == 2 and OPEN.S_OPEN .. OPEN.S_PRE .. OPEN.Q .. OPEN.S_FLUSH
                            or OPEN.Q .. OPEN.S_OPEN .. OPEN.S_FLUSH .. OPEN.S_PRE,
     publish = M.publish, h1_open = M.h1_open, h1_close = M.h1_close, count_init = M.count_init,
     push = M.push, count_done = M.count_done, rank = M.rank,
-    split_out = M.split_out or GLOBAL_SPLIT_OUT, merge_close = M.merge_close or "",
   }
   local src = body:gsub("%$([%w_]+)", function(n)
     if v[n] == nil then error("index_decode: no value for $" .. n) end
     return tostring(v[n])
   end)
   local lib = I.common .. I.mma(e4 and "f16" or "bf16") .. (e4 and I.e4m3_decode(t.cvt) or "")
-  return {source = P.all(arch) .. lib .. src, threads = t.warps * 32, smem = smem}
+  return {source = P.all(arch) .. lib .. src, threads = t.warps * 32, smem = 0}
 end
 
 return T

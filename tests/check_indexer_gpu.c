@@ -293,19 +293,9 @@ static void plan_bpc(const m3_kernel *k, const m3_idx_args *a, int bpc) {
   ck_abort_msg("no SM count plans bpc %d", bpc);
 }
 
-/* merge=cluster tiles: the cluster width the plan sees, as on a part that
- * places that many (k->mod.max_cluster; 0: the driver could not tell), unless
- * negative (the driver's answer). */
-static int g_max_cluster = -1;
-
 /* Runs the decode kernel; returns its [H, N, K] output (malloc'd). */
 static int32_t *run_decode(const prob *p, const char *tile, char *ctx, size_t nctx) {
-  m3_kernel *k = decode_kernel(p, tile), narrow;
-  if (g_max_cluster >= 0) {
-    narrow = *k;
-    narrow.mod.max_cluster = g_max_cluster;
-    k = &narrow;
-  }
+  m3_kernel *k = decode_kernel(p, tile);
   m3_idx_decode_plan pl;
   m3_err e;
   ck_assert_msg(m3_index_decode_plan(k, &p->a, plan_sms(), &pl, &e) == M3_OK, "%s", e.msg);
@@ -335,8 +325,8 @@ static int32_t *run_decode(const prob *p, const char *tile, char *ctx, size_t nc
   m3_dev_free(d_out);
   if (ctx) {
     int l = (int)m3_variant_print(&k->key, ctx, nctx);
-    snprintf(ctx + l, nctx - l, " bpc=%d splits=%d cluster=%d tokens=%d seed=%llu", pl.bpc, pl.max_splits,
-             pl.cluster, p->a.n_tokens, (unsigned long long)g_seed);
+    snprintf(ctx + l, nctx - l, " bpc=%d splits=%d tokens=%d seed=%llu", pl.bpc, pl.max_splits, p->a.n_tokens,
+             (unsigned long long)g_seed);
   }
   return out;
 }
@@ -593,64 +583,6 @@ START_TEST(decode_every_valid_tile) {
   free(valid);
   free(ref);
   free(forced);
-  free_prob(&p);
-}
-END_TEST
-
-/* merge=cluster (sm_90): a token's splits are thread-block clusters that
- * merge in distributed shared memory; a token with several clusters hands
- * over as merge=acqrel does.  The plan: clusters as wide as the part places
- * (at most 16; 8 when the driver cannot tell), splits as long as one cluster
- * needs within chunk, whole clusters a token.  Then the answer at every
- * width: one cluster a token (idle splits in it, a one-split token, a
- * two-token speculative step), several (the narrow widths and the long
- * sequence), and width 1 (no cluster: only the hand-over).  _i >> 1: exact
- * ties (one page behind every block), whose answer is the reference's ids. */
-START_TEST(decode_cluster) {
-  if (g_rt.dev.cc_major < 9) return; /* thread-block clusters are sm_90+ */
-  int64_t lens[] = {emu() ? 9000 : 40000, 2049, 129, 1};
-  int ql[] = {2, 1, 1, 1};
-  popts o = {.e4m3 = _i & 1, .local = 1, .salt = 31};
-  if (_i >> 1) o.pool = 1;
-  prob p = make_prob(lens, ql, 4, o);
-  static const char *tiles[] = {"warps=4,depth=2,waves=1,chunk=8,cvt=alu,lead=0,merge=cluster",
-                                "warps=8,depth=4,waves=1,chunk=16,cvt=alu,lead=1,merge=cluster",
-                                "warps=4,depth=2,waves=1,chunk=32,cvt=alu,lead=2,merge=cluster"};
-  static const int widths[] = {-1, 4, 2, 1, 0};
-  const int nt = emu() ? 2 : 3;
-  for (int ti = 0; ti < nt; ti++) {
-    m3_kernel *k = decode_kernel(&p, tiles[ti]), kk = *k;
-    const int mc = k->mod.max_cluster;
-    ck_assert_msg(mc == 0 || mc == 1 || mc == 2 || mc == 4 || mc == 8 || mc == 16, "max_cluster %d", mc);
-    if (emu()) ck_assert_int_eq(mc, 16);
-    const long chunk = m3_variant_tile_int(&k->key, "chunk", 0);
-    for (int wi = 0; wi < 5; wi++) {
-      if (emu() && widths[wi] == 2) continue;
-      kk.mod.max_cluster = widths[wi] < 0 ? mc : widths[wi];
-      const int want_cs = kk.mod.max_cluster > 0 ? kk.mod.max_cluster : 8;
-      /* 8K at batch 1: one cluster where chunk allows */
-      m3_idx_args a8 = p.a;
-      a8.n_tokens = 1, a8.max_blocks = 64;
-      m3_idx_decode_plan pl;
-      m3_err e;
-      ck_assert_msg(m3_index_decode_plan(&kk, &a8, 132, &pl, &e) == M3_OK, "%s", e.msg);
-      long bpc = (64 + want_cs - 1) / want_cs;
-      if (bpc > chunk) bpc = chunk;
-      ck_assert_int_eq(pl.cluster, want_cs);
-      ck_assert_int_eq(pl.bpc, bpc);
-      ck_assert_int_eq(pl.max_splits % pl.cluster, 0);
-      ck_assert_int_ge((int64_t)pl.max_splits * pl.bpc, 64);
-      ck_assert_int_eq(pl.grid, (unsigned)pl.max_splits);
-      /* and the problem's own plan and answer */
-      ck_assert_msg(m3_index_decode_plan(&kk, &p.a, 132, &pl, &e) == M3_OK, "%s", e.msg);
-      ck_assert_int_eq(pl.max_splits % pl.cluster, 0);
-      if (widths[wi] == 4 && ti == 0) /* 9000+ tokens at 8 blocks a split: several clusters */
-        ck_assert_int_gt(pl.max_splits, pl.cluster);
-      g_max_cluster = kk.mod.max_cluster;
-      free(check_decode(&p, tiles[ti], o.pool));
-      g_max_cluster = -1;
-    }
-  }
   free_prob(&p);
 }
 END_TEST
@@ -950,7 +882,6 @@ static Suite *make(void) {
   tcase_add_loop_test(tc(s, "decode_1m"), decode_position_1m, 0, 2);
   tcase_add_loop_test(tc(s, "decode_2gib"), decode_pages_past_2GiB, 0, 2);
   tcase_add_loop_test(tc(s, "decode_tiles"), decode_every_valid_tile, 0, 2);
-  tcase_add_loop_test(tc(s, "decode_cluster"), decode_cluster, 0, 4);
   TCase *pf = tc(s, "prefill");
   tcase_add_loop_test(pf, prefill_chunk_with_context, 0, 2);
   tcase_add_loop_test(pf, prefill_nonfinite, 0, 4);
