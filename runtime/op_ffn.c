@@ -91,7 +91,13 @@ static m3_status norm_common(const m3_kernel *k, int add, int combine, int64_t n
     return m3_errf(e, M3_INVAL, "%s: pointers must be 16-byte aligned (vector path)", what);
   long long rows = n_rows;
   void *args[] = {&x, &residual, &w, &y, &y32, &rows, &eps, &ey, &ew, &esh};
-  return launch(k, (uint64_t)n_rows, 1, s, args, e);
+  /* Tile cluster=C: a row is C CTAs, one thread-block cluster (templates/rmsnorm.lua). */
+  const long cl = m3_variant_tile_int(&k->key, "cluster", 1);
+  if (cl < 1 || cl > 8) return m3_errf(e, M3_INVAL, "%s: tile cluster=%ld (1..8)", what, cl);
+  const uint64_t gx = (uint64_t)n_rows * (uint64_t)cl;
+  if (gx == 0) return M3_OK;
+  if (gx > 0x7fffffffu) return m3_errf(e, M3_INVAL, "%s: grid of %" PRIu64 " CTAs is too large", what, gx);
+  return m3_launch_cluster(&k->mod, (unsigned)gx, 1, 1, (unsigned)cl, (CUstream)s, args, e);
 }
 
 m3_status m3_launch_rmsnorm(const m3_kernel *k, int64_t n_rows, int n, const void *x, const void *w, float eps,

@@ -38,7 +38,8 @@ m3_status m3_rmsnorm_key(int add, int f32copy, int n, m3_variant *v, m3_err *e);
  * layer's expert outputs (m3_launch_add_rmsnorm_combine).  Errors: M3_KEY. */
 m3_status m3_rmsnorm_combine_key(int topk, int f32copy, int n, m3_variant *v, m3_err *e);
 
-/* m3_ref_rmsnorm: y = bf16(x * r * (1 + w)) per row, one CTA per row.
+/* m3_ref_rmsnorm: y = bf16(x * r * (1 + w)) per row, one CTA per row (tile
+ * cluster=C > 1, sm_90: C CTAs a row, one thread-block cluster).
  * x [n_rows, n] bf16 (may alias y), w [n] bf16, y [n_rows, n] bf16;
  * y32 [n_rows, n] fp32 = float(y) when the kernel has f32copy=1 (else NULL).
  * Matches the reference within 1 bf16 ulp (fp32 sum-of-squares order).

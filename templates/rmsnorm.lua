@@ -14,8 +14,17 @@
 -- the next layer's input norm, or the final norm).  Same operations in the
 -- same order, so r and y are the two launches' bit for bit.  combine=0
 -- renders the plain kernel's text unchanged (its tuning records stay valid).
+-- Tile cluster = C > 1 (sm_90): a row's columns are cut into C parts, one CTA
+-- each, forming one thread-block cluster; each CTA's part of the sum of
+-- squares goes to its shared memory, and after a cluster barrier every CTA
+-- adds the C parts in rank order (the same bits in each) through distributed
+-- shared memory.  At batch 1 one CTA a row reads the whole row alone (combine=4:
+-- six rows, 74 KB, on one SM); C CTAs share that.  Only the order of the fp32
+-- sum of squares changes with C (y within 1 bf16 ulp of the reference, as for
+-- any tile); cluster=1 renders the kernel as before the axis existed.
 local P = m3.include("lib/prelude")
 local F = m3.include("lib/ffn")
+local CLUSTER = m3.include("lib/cluster")
 
 local T = {}
 T.name = "rmsnorm"
@@ -27,6 +36,7 @@ T.axes = {
 }
 T.tiles = {
   {"threads", {64, 128, 256, 512, 768, 1024}},
+  {"cluster", {1, 2, 4, 8}},    -- CTAs a row is cut over, one thread-block cluster (sm_90 for > 1)
 }
 
 -- 16-byte vectors when the row allows it, else one element per access.
@@ -34,7 +44,7 @@ local function vec(k) return (k.n % 8 == 0) and 8 or 1 end
 local MAX_REG = 64  -- fp32 row values held per thread (register budget)
 
 local function per_thread(k, t)
-  local chunks = k.n // vec(k)
+  local chunks = k.n // vec(k) // (t.cluster or 1)
   return (chunks + t.threads - 1) // t.threads
 end
 
@@ -48,6 +58,11 @@ function T.valid(k, t, arch)
   if k.combine > 0 and k.add == 0 then
     return false, "combine needs add=1: the combined MoE output is a sublayer output, added to the residual"
   end
+  local cl = t.cluster or 1
+  if cl > 1 and m3.sm(arch) < 90 then return false, "cluster > 1 cuts a row over a thread-block cluster (sm_90+)" end
+  if cl > 1 and (k.n // vec(k)) % cl ~= 0 then
+    return false, string.format("a row of %d (%d-element vectors) does not cut into %d equal parts", k.n, vec(k), cl)
+  end
   if per_thread(k, t) * vec(k) > MAX_REG then
     return false, string.format("a row of %d needs %d values per thread at %d threads (max %d in registers)",
                                 k.n, per_thread(k, t) * vec(k), t.threads, MAX_REG)
@@ -57,9 +72,9 @@ end
 
 function T.default_tile(k, arch)
   for _, th in ipairs({256, 512, 1024, 128, 768, 64}) do
-    if T.valid(k, {threads = th}, arch) then return {threads = th} end
+    if T.valid(k, {threads = th, cluster = 1}, arch) then return {threads = th, cluster = 1} end
   end
-  return {threads = 256}
+  return {threads = 256, cluster = 1}
 end
 
 function T.variants(c)
@@ -205,14 +220,57 @@ local combined = {
       }]==],
 }
 
+-- cluster > 1: the edits of the rendered kernel, each found exactly as often
+-- as counted (nil: at least once; -1: any number, x is not read with combine).
+local CLUSTER_EDITS = {
+  {"#define CHUNKS %(N / VEC%)", "#define CHUNKS (N / VEC / CL) /* this CTA's part of the row */", 1},
+  {"  __shared__ float red%[32%];\n  const long long row = blockIdx.x;\n", [==[
+  /* Tile cluster=CL: the CL CTAs of a cluster share row blockIdx.x / CL, the
+   * rank's part from column col0 (dynamic shared memory: the emulator runs
+   * cluster kernels with no static __shared__). */
+  extern __shared__ __attribute__((aligned(16))) unsigned char smem_raw[];
+  float *red = (float *)smem_raw; /* [32] the block sum's, [32] this CTA's part of the row's */
+  const long long row = blockIdx.x / CL;
+  const int col0 = (int)(blockIdx.x % CL) * (N / CL);
+]==], 1},
+  {"  ss = block_sum_once%(ss, red%);\n", [==[
+  ss = block_sum_once(ss, red);
+  /* The row's sum of squares: every CTA adds the CL parts in rank order. */
+  if (threadIdx.x == 0) red[32] = ss;
+  cluster_sync();
+  {
+    float part[CL];
+#pragma unroll
+    for (int q = 0; q < CL; q++) part[q] = ld_dsmem(red + 32, (unsigned)q); /* in flight together */
+    ss = 0.0f;
+#pragma unroll
+    for (int q = 0; q < CL; q++) ss = fadd_rn(ss, part[q]);
+  }
+]==], 1},
+  {"%* N %+ c %* VEC", "* N + col0 + c * VEC", nil},  -- residual, y, y32 (and ey, esh with combine)
+  {"xr %+ c %* VEC", "xr + col0 + c * VEC", -1},
+  {"load_vec%(w %+ c %* VEC", "load_vec(w + col0 + c * VEC", 1},
+  {"\n  }\n}\n$", "\n  }\n  cluster_sync(); /* no CTA leaves while another may still read its part */\n}\n", 1},
+}
+
 function T.render(k, t, arch, sym)
   local parts = k.combine > 0 and combined or plain
+  local cl = t.cluster or 1
   local src = F.subst("rmsnorm", body, {
     n = k.n, vec = vec(k), threads = t.threads, add = k.add, f32copy = k.f32copy, sym = sym,
     cdefs = k.combine > 0 and ("\n#define TOPK " .. k.combine) or "", cparams = parts.cparams,
     xrow = parts.xrow, xload = parts.xload,
   })
-  return {source = P.all(arch) .. F.base .. src, threads = t.threads, smem = 0}
+  if cl > 1 then
+    for _, ed in ipairs(CLUSTER_EDITS) do
+      local n
+      src, n = src:gsub(ed[1], (ed[2]:gsub("%%", "%%%%")))
+      if (ed[3] and ed[3] >= 0 and n ~= ed[3]) or (not ed[3] and n == 0) then error("rmsnorm: cluster edit '" .. ed[1] .. "' matched " .. n .. " times") end
+    end
+    src = "#define CL " .. cl .. "\n" .. src
+  end
+  return {source = P.all(arch) .. F.base .. (cl > 1 and CLUSTER.defs or "") .. src, threads = t.threads,
+          smem = cl > 1 and 144 or 0}
 end
 
 return T

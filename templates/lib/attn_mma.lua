@@ -40,6 +40,7 @@
 --             walks all its keys; the CTA's warps are consecutive tokens, so
 --             they read the same K/V tiles and mostly hit L1.
 local LEAD = m3.include("lib/lead")
+local CLUSTER = m3.include("lib/cluster")
 local A = {}
 
 A.body = [[
@@ -830,45 +831,6 @@ local LEAD_WAIT = [[
 -- merging CTA's first partials together with (m, l), one L2 round trip
 -- less, measured slower in those runs: its registers cost the e4m3 tiles
 -- an SM's third CTA and its predicated loads more issue than they saved.)
-local CLUSTER_DEFS = [[
-/* Thread-block clusters (sm_90): the barrier over all CTAs of the cluster
- * (release/acquire: shared-memory stores before it are seen by every CTA's
- * loads after it), the cluster's size, and loads from the shared memory of
- * the cluster's CTA `rank` at the address p has in this CTA's (mapa). */
-#define CLUSTER_MAX 16
-#ifdef __CUDA_ARCH__
-M3_DEV void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-M3_DEV unsigned cluster_nctarank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
-  return r;
-}
-M3_DEV unsigned dsmem_addr(const void *p, unsigned rank) {
-  unsigned a, d;
-  asm("{ .reg .u64 g; cvta.to.shared.u64 g, %1; cvt.u32.u64 %0, g; }" : "=r"(a) : "l"(p));
-  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(rank));
-  return d;
-}
-M3_DEV float ld_dsmem(const float *p, unsigned rank) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(dsmem_addr(p, rank)) : "memory");
-  return v;
-}
-M3_DEV float4 ld_dsmem4(const float *p, unsigned rank) {
-  float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(dsmem_addr(p, rank)) : "memory");
-  return v;
-}
-#else /* the CPU emulator runs a cluster's CTAs together (docs/emulator.md) */
-M3_DEV void cluster_sync() { m3emu_cluster_sync(); }
-M3_DEV unsigned cluster_nctarank() { return m3emu_cluster_nctarank(); }
-M3_DEV float ld_dsmem(const float *p, unsigned rank) { return *m3emu_map_shared(p, rank); }
-M3_DEV float4 ld_dsmem4(const float *p, unsigned rank) { return *(const float4 *)m3emu_map_shared(p, rank); }
-#endif
-]]
 
 -- merge=cluster's merge, after the CTA's own (the global path below it is
 -- then dead code); its partial stays in shared memory (MERGE.cluster.store).
@@ -958,7 +920,7 @@ M3_DEV int atom_add_acq_rel(int *p, int v) {
   __syncthreads(); /* and thread 0's acquire before every thread's reads of the other splits' */
   if (!*sflag) return;
 ]]},
-  cluster = {defs = CLUSTER_DEFS, publish = "", merge = CLUSTER_MERGE,
+  cluster = {defs = CLUSTER.defs, publish = "", merge = CLUSTER_MERGE,
              store = "*(float4 *)(so + r * SO + so_col(d)) = make_float4(a0, a1, a2, a3); /* warp 0's row r: only this thread read it */"},
 }
 
