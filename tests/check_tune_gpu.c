@@ -144,7 +144,7 @@ static void tune_rmsnorm_tiles(const char *hook, const char *tiles, m3_tune_resu
   ck_assert_msg(s == M3_OK, "%s", e.msg);
   ck_assert_int_eq(res->n_rows, 1);
 }
-static void tune_rmsnorm(const char *hook, m3_tune_result *res) { tune_rmsnorm_tiles(hook, "threads=256;threads=512", res); }
+static void tune_rmsnorm(const char *hook, m3_tune_result *res) { tune_rmsnorm_tiles(hook, "threads=256,cluster=1;threads=512,cluster=1", res); }
 static m3_tunedb *load_dbfile(void) {
   m3_tunedb *db = m3_tunedb_new();
   m3_tunedb_report rep;
@@ -178,7 +178,7 @@ START_TEST(pinned_tile_kept_within_slack_dropped_when_broken) {
   /* Pin the tile the tuner did not choose (this tune may have cut its
    * timing short as 3x slower: the pinned record lists no candidates; the
    * next tune times a pinned tile in full). */
-  const char *other = !strcmp(r->tile, "threads=256") ? "threads=512" : "threads=256";
+  const char *other = !strcmp(r->tile, "threads=256,cluster=1") ? "threads=512,cluster=1" : "threads=256,cluster=1";
   m3_tune_record p = *r;
   p.tile = other;
   p.n_candidates = 0;
@@ -209,7 +209,7 @@ START_TEST(pinned_tile_kept_within_slack_dropped_when_broken) {
   /* Not among this run's candidates: the record is left as it was. */
   size_t n0, n1;
   char *before = read_file_all(dbfile, &n0);
-  tune_rmsnorm_tiles(NULL, strcmp(other, "threads=256") ? "threads=256" : "threads=512", &res);
+  tune_rmsnorm_tiles(NULL, strcmp(other, "threads=256,cluster=1") ? "threads=256,cluster=1" : "threads=512,cluster=1", &res);
   m3_tune_result_free(&res);
   char *after = read_file_all(dbfile, &n1);
   ck_assert(n0 == n1 && !memcmp(before, after, n0));
@@ -257,10 +257,10 @@ static const adapter_case ADAPTERS[] = {
     {"mxfp8", "w=f32", "tokens=1", "warps=8,rpw=1,unroll=8,cvt=alu,pipe=1,tpc=1,lead=0,lean=0,ksplit=8",
      "warps=4,rpw=1,unroll=4,cvt=alu,pipe=1,tpc=1,lead=0,lean=0,ksplit=1", 1}, /* the router */
     {"swiglu", "inter=3072", "tokens=8", "threads=256", "threads=128", 1}, /* the MoE's: 4 pairs + the shared one */
-    {"rmsnorm", "add=0,f32copy=0", "tokens=1", "threads=256", "threads=512", 1},
-    {"rmsnorm", "add=1,f32copy=0", "tokens=8", "threads=512", "threads=128", 1},
-    {"rmsnorm", "add=1,f32copy=1", "tokens=256", "threads=256", "threads=1024", 1},
-    {"rmsnorm", "combine=4", "tokens=1", "threads=256", "threads=512", 1, 0, "norm"}, /* the MoE combine inside */
+    {"rmsnorm", "add=0,f32copy=0", "tokens=1", "threads=256,cluster=1", "threads=512,cluster=4", 1},
+    {"rmsnorm", "add=1,f32copy=0", "tokens=8", "threads=512,cluster=1", "threads=128,cluster=2", 1},
+    {"rmsnorm", "add=1,f32copy=1", "tokens=256", "threads=256,cluster=1", "threads=1024,cluster=1", 1},
+    {"rmsnorm", "combine=4", "tokens=1", "threads=256,cluster=1", "threads=512,cluster=8", 1, 0, "norm"}, /* the MoE combine inside */
     {"moe_route", "stage=route", "tokens=8", "warps=4", "warps=2", 1},
     {"moe_route", "stage=group", "tokens=256", "warps=32", "warps=8", 1},
     {"moe_combine", "rowmap=0", "tokens=1", "threads=256", "threads=128", 1},
