@@ -784,7 +784,9 @@ static void build_summary(load_notes *ln, const char *path, const char *seed) {
   ADD("tuning DB %s%s%s: %d records used (%d from seed)", path ? path : "", path && seed ? " + seed " : "",
       seed ? seed : "", r->loaded, r->from_seed);
   if (stale)
-    ADD("%d stale records ignored (%d other arch, %d other driver, %d changed template%s%s%s) - re-run 'm3kit tune'",
+    ADD("%d stale records ignored (%d other arch, %d other driver, %d changed template%s%s%s) - re-run 'm3kit tune' "
+        "(after an m3kit upgrade that added a tile axis, tools/rekey.py carries the records whose code it left as it "
+        "was: docs/tuning-db.md)",
         stale, r->stale_arch, r->stale_driver, r->stale_template, ln->first_stale_tpl[0] ? ", e.g. '" : "",
         ln->first_stale_tpl, ln->first_stale_tpl[0] ? "'" : "");
   if (r->invalid) ADD("%d malformed records skipped (first: %s)", r->invalid, ln->first_invalid);

@@ -44,7 +44,8 @@ m3_status m3_rmsnorm_combine_key(int topk, int f32copy, int n, m3_variant *v, m3
  * y32 [n_rows, n] fp32 = float(y) when the kernel has f32copy=1 (else NULL).
  * Matches the reference within 1 bf16 ulp (fp32 sum-of-squares order).
  * Errors: M3_INVAL (kernel/argument mismatch, n_rows > INT32_MAX,
- * misaligned pointer), M3_CUDA. */
+ * misaligned pointer, a tile cluster outside 1..8, n_rows x cluster CTAs
+ * over 2^31-1), M3_CUDA (a cluster the part cannot place among them). */
 m3_status m3_launch_rmsnorm(const m3_kernel *k, int64_t n_rows, int n, const void *x, const void *w, float eps,
                             void *y, float *y32, cudaStream_t stream, m3_err *e);
 
@@ -55,7 +56,8 @@ m3_status m3_launch_add_rmsnorm(const m3_kernel *k, int64_t n_rows, int n, const
                                 const void *w, float eps, void *y, float *y32, cudaStream_t stream, m3_err *e);
 
 /* The decode MoE combine (§7.2 / §12.6) and the add + RMSNorm after it
- * (§2.3, §10.2) in one launch, one CTA per row (token): per element
+ * (§2.3, §10.2) in one launch, one CTA per row (token; tile cluster=C: C
+ * CTAs a row, one thread-block cluster, as m3_launch_rmsnorm): per element
  *   x = bf16(sum_k ew[t,k] * ey[t*K+k] (fp32, top-k order) + esh[t])
  * exactly as m3_launch_moe_combine (shared, no row map) computes it, then
  * m3_launch_add_rmsnorm on that x - residual and y are those two launches'

@@ -1,8 +1,9 @@
 -- templates/rmsnorm.lua - Gemma RMSNorm over a hidden-sized row (spec §2.2,
 -- §2.3), alone (input_layernorm of layer 0, the final norm after an explicit
 -- add) or fused with the residual add (vLLM's gemma_fused_add_rmsnorm, §10.2).
--- One CTA per row; the row stays in registers between the sum of squares and
--- the scaling, so x (and the residual) are read once and written once.
+-- One CTA per row (tile cluster=C: C CTAs, below); the row stays in registers
+-- between the sum of squares and the scaling, so x (and the residual) are read
+-- once and written once.
 -- Matches m3_ref_rmsnorm / m3_ref_add_rmsnorm: the add is rounded to bf16 and
 -- the norm reads that ROUNDED residual; r = 1/sqrtf(ss/n + eps) and
 -- x*r*(1+w) with the references' roundings (only the fp32 sum of squares is
@@ -61,7 +62,12 @@ function T.valid(k, t, arch)
   local cl = t.cluster or 1
   if cl > 1 and m3.sm(arch) < 90 then return false, "cluster > 1 cuts a row over a thread-block cluster (sm_90+)" end
   if cl > 1 and (k.n // vec(k)) % cl ~= 0 then
-    return false, string.format("a row of %d (%d-element vectors) does not cut into %d equal parts", k.n, vec(k), cl)
+    return false, string.format("a row of %d is %d vectors of %d elements, not a multiple of cluster=%d", k.n,
+                                k.n // vec(k), vec(k), cl)
+  end
+  if cl > 1 and t.threads >= 2 * (k.n // vec(k) // cl) and t.threads > 64 then
+    return false, string.format("cluster=%d leaves a CTA %d vectors of the row: half or more of %d threads would idle",
+                                cl, k.n // vec(k) // cl, t.threads)
   end
   if per_thread(k, t) * vec(k) > MAX_REG then
     return false, string.format("a row of %d needs %d values per thread at %d threads (max %d in registers)",

@@ -227,6 +227,11 @@ START_TEST(rmsnorm_every_tile) {
   n = gpu_valid_tiles(&v, &tiles);
   for (int i = 0; i < n; i++) run_norm(add, 0, 7, 1001, NULL, NULL, tiles[i], 1.0);
   free(tiles);
+  /* a row of 100 (the scalar path) cut over clusters of 2 and 4 (sm_90) */
+  ck_assert_int_eq(m3_rmsnorm_key(add, add, 100, &v, &e), M3_OK);
+  n = gpu_valid_tiles(&v, &tiles);
+  for (int i = 0; i < n; i++) run_norm(add, add, 7, 100, NULL, NULL, tiles[i], 1.0);
+  free(tiles);
 }
 END_TEST
 

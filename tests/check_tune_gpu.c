@@ -257,10 +257,10 @@ static const adapter_case ADAPTERS[] = {
     {"mxfp8", "w=f32", "tokens=1", "warps=8,rpw=1,unroll=8,cvt=alu,pipe=1,tpc=1,lead=0,lean=0,ksplit=8",
      "warps=4,rpw=1,unroll=4,cvt=alu,pipe=1,tpc=1,lead=0,lean=0,ksplit=1", 1}, /* the router */
     {"swiglu", "inter=3072", "tokens=8", "threads=256", "threads=128", 1}, /* the MoE's: 4 pairs + the shared one */
-    {"rmsnorm", "add=0,f32copy=0", "tokens=1", "threads=256,cluster=1", "threads=512,cluster=4", 1},
+    {"rmsnorm", "add=0,f32copy=0", "tokens=1", "threads=256,cluster=1", "threads=256,cluster=4", 1},
     {"rmsnorm", "add=1,f32copy=0", "tokens=8", "threads=512,cluster=1", "threads=128,cluster=2", 1},
     {"rmsnorm", "add=1,f32copy=1", "tokens=256", "threads=256,cluster=1", "threads=1024,cluster=1", 1},
-    {"rmsnorm", "combine=4", "tokens=1", "threads=256,cluster=1", "threads=512,cluster=8", 1, 0, "norm"}, /* the MoE combine inside */
+    {"rmsnorm", "combine=4", "tokens=1", "threads=256,cluster=1", "threads=128,cluster=8", 1, 0, "norm"}, /* the MoE combine inside */
     {"moe_route", "stage=route", "tokens=8", "warps=4", "warps=2", 1},
     {"moe_route", "stage=group", "tokens=256", "warps=32", "warps=8", 1},
     {"moe_combine", "rowmap=0", "tokens=1", "threads=256", "threads=128", 1},

@@ -157,7 +157,7 @@ static int rehash(const char *arch, const char *db_path) {
   if (s != M3_OK) return cli_fail("tune", s, &e);
   printf("%s: %d records given the code hash of their tile; %d given the current template hash (their template "
          "changed, their code did not)%s; %d current already; %d stale (their code changed or their tile no longer "
-         "renders: re-run 'm3kit tune'), left as they were",
+         "renders: re-run 'm3kit tune', or, after an upgrade that added a tile axis, tools/rekey.py), left as they were",
          path, r.given, r.refreshed, r.given + r.refreshed ? "" : " (file not rewritten)", r.had, r.left);
   if (r.malformed) printf("; %d malformed, left as they were (first: record %d)", r.malformed, r.first_malformed);
   printf("\n");
