@@ -1231,7 +1231,6 @@ static m3_status prefetch_join(m3_forward *f, m3_err *e) {
   return M3_OK;
 }
 
-
 /* ---- M3KIT_CHECK_NUMERICS: NaN/Inf scan of an op's output -------------- */
 
 static m3_status check_out(m3_forward *f, int layer, const char *op, const void *p, int64_t n, int dtype, m3_err *e) {

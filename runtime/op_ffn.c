@@ -36,10 +36,16 @@ static m3_status want_str(const m3_kernel *k, const char *axis, const char *valu
   return M3_OK;
 }
 
-static m3_status launch(const m3_kernel *k, uint64_t gx, unsigned gy, cudaStream_t s, void **args, m3_err *e) {
+/* gx x gy CTAs, in thread-block clusters of cx along x (1: none; cx divides gx). */
+static m3_status launch_cluster(const m3_kernel *k, uint64_t gx, unsigned gy, unsigned cx, cudaStream_t s, void **args,
+                                m3_err *e) {
   if (gx == 0) return M3_OK;
   if (gx > 0x7fffffffu) return m3_errf(e, M3_INVAL, "%s: grid of %" PRIu64 " CTAs is too large", k->key.op, gx);
-  return m3_launch(&k->mod, (unsigned)gx, gy, 1, (CUstream)s, args, e);
+  return m3_launch_cluster(&k->mod, (unsigned)gx, gy, 1, cx, (CUstream)s, args, e);
+}
+
+static m3_status launch(const m3_kernel *k, uint64_t gx, unsigned gy, cudaStream_t s, void **args, m3_err *e) {
+  return launch_cluster(k, gx, gy, 1, s, args, e);
 }
 
 m3_status m3_err_word_take(int32_t *err_word, cudaStream_t stream, int64_t *first_bad, m3_err *e) {
@@ -94,10 +100,7 @@ static m3_status norm_common(const m3_kernel *k, int add, int combine, int64_t n
   /* Tile cluster=C: a row is C CTAs, one thread-block cluster (templates/rmsnorm.lua). */
   const long cl = m3_variant_tile_int(&k->key, "cluster", 1);
   if (cl < 1 || cl > 8) return m3_errf(e, M3_INVAL, "%s: tile cluster=%ld (1..8)", what, cl);
-  const uint64_t gx = (uint64_t)n_rows * (uint64_t)cl;
-  if (gx == 0) return M3_OK;
-  if (gx > 0x7fffffffu) return m3_errf(e, M3_INVAL, "%s: grid of %" PRIu64 " CTAs is too large", what, gx);
-  return m3_launch_cluster(&k->mod, (unsigned)gx, 1, 1, (unsigned)cl, (CUstream)s, args, e);
+  return launch_cluster(k, (uint64_t)n_rows * (uint64_t)cl, 1, (unsigned)cl, s, args, e);
 }
 
 m3_status m3_launch_rmsnorm(const m3_kernel *k, int64_t n_rows, int n, const void *x, const void *w, float eps,
