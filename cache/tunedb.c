@@ -678,12 +678,26 @@ static void template_name(const char *key, char *buf, size_t n) {
   snprintf(buf, n, "%.*s", (int)len, key);
 }
 
+/* The tile of a record whose code hash its own tile no longer renders, when
+ * f->complete_tile's completion of it does render that code (a tile axis
+ * added since the tune, whose first value emits the code as it was): the
+ * completed tile in buf, else NULL. */
+static const char *completion_keeps(const m3_tunedb_filter *f, const m3_tune_record *r, char *buf, size_t n) {
+  if (!f->complete_tile || !f->code_hash) return NULL;
+  const char *t = f->complete_tile(f->ctx, r->key, r->tile);
+  if (!t || snprintf(buf, n, "%s", t) >= (int)n) return NULL; /* copied: the callbacks may share a buffer */
+  const char *c = f->code_hash(f->ctx, r->key, buf, r->arch);
+  return c && !strcmp(c, r->prov.code_hash) ? buf : NULL;
+}
+
 /* Returns nonzero (and counts it) when the record must be ignored.  Arch and
  * template hash decide whether a tile is even meaningful, so they apply to
  * every record.  The driver only moves timings, and a seed comes from another
  * machine by definition, so the driver check applies to user records only:
  * otherwise no user with a different driver would ever see a seed record. */
-static int is_stale(const m3_tune_record *r, int origin, const m3_tunedb_filter *f, load_notes *ln) {
+static int is_stale(const m3_tune_record *r, int origin, const m3_tunedb_filter *f, load_notes *ln,
+                    char *completed, size_t cn) {
+  completed[0] = 0; /* kept with its tiles completed: the completed tile here */
   if (!f) return 0;
   if (f->arch && strcmp(f->arch, r->arch)) return ++ln->rep->stale_arch;
   if (f->driver_version && origin != ORIGIN_SEED &&
@@ -701,9 +715,43 @@ static int is_stale(const m3_tune_record *r, int origin, const m3_tunedb_filter 
   if (f->code_hash && has_scheme(r->prov.code_hash, f->code_scheme)) {
     const char *c = f->code_hash(f->ctx, r->key, r->tile, r->arch);
     if (c && !strcmp(c, r->prov.code_hash)) return 0;
+    if (completion_keeps(f, r, completed, cn)) return 0;
+    completed[0] = 0;
   }
   if (!ln->first_stale_tpl[0]) snprintf(ln->first_stale_tpl, sizeof ln->first_stale_tpl, "%s", name);
   return ++ln->rep->stale_template;
+}
+
+/* db_insert of r with its tiles completed: the chosen one is `tile`
+ * (completion_keeps), the default and the candidates' are completed the same
+ * way, so that the record reads as if tuned with the added axis at its first
+ * value (the chosen tile stays the PASSED candidate it was). */
+static m3_status insert_completed(m3_tunedb *db, const m3_tune_record *r, const char *tile, int origin, int *prev,
+                                  const m3_tunedb_filter *f, m3_err *e) {
+  m3_tune_record c = *r;
+  char *dflt = NULL;
+  m3_tune_candidate *cands = NULL;
+  int oom = 0;
+  c.tile = tile;
+  if (r->default_tile) {
+    const char *t = f->complete_tile(f->ctx, r->key, r->default_tile);
+    if (t && !(dflt = strdup(t))) oom = 1;
+    if (dflt) c.default_tile = dflt;
+  }
+  if (r->n_candidates && !(cands = calloc(r->n_candidates, sizeof *cands))) oom = 1;
+  for (size_t i = 0; cands && i < r->n_candidates; i++) {
+    cands[i] = r->candidates[i];
+    const char *t = f->complete_tile(f->ctx, r->key, r->candidates[i].tile);
+    if (t && !(cands[i].tile = strdup(t))) oom = 1, cands[i].tile = r->candidates[i].tile;
+  }
+  if (cands) c.candidates = cands;
+  m3_status s = oom ? m3_errf(e, M3_NOMEM, "tuning DB: out of memory completing record '%s'", r->key)
+                    : db_insert(db, &c, origin, prev, e);
+  for (size_t i = 0; cands && i < r->n_candidates; i++)
+    if (cands[i].tile != r->candidates[i].tile) free((char *)cands[i].tile);
+  free(cands);
+  free(dflt);
+  return s;
 }
 
 static m3_status load_file(m3_tunedb *db, const char *path, int origin, const m3_tunedb_filter *f,
@@ -735,15 +783,16 @@ static m3_status load_file(m3_tunedb *db, const char *path, int origin, const m3
   json_array_foreach(recs, i, o) {
     m3_tune_record r;
     m3_tune_candidate *cands;
-    char why[300];
+    char why[300], completed[512];
     if (parse_record(o, &r, &cands, &ln->rep->unknown_fields, why, sizeof why) != 0) {
       ln->rep->invalid++;
       if (!ln->first_invalid[0])
         snprintf(ln->first_invalid, sizeof ln->first_invalid, "%s record %zu: %s", path, i, why);
-    } else if (!is_stale(&r, origin, f, ln)) {
+    } else if (!is_stale(&r, origin, f, ln, completed, sizeof completed)) {
       int prev;
-      s = db_insert(db, &r, origin, &prev, e);
+      s = completed[0] ? insert_completed(db, &r, completed, origin, &prev, f, e) : db_insert(db, &r, origin, &prev, e);
       if (s == M3_OK) {
+        if (completed[0]) ln->rep->completed++;
         ln->rep->loaded++;
         /* User records win over seed records: the seed is only what we knew
          * before this machine was tuned. */
@@ -777,7 +826,7 @@ static void build_summary(load_notes *ln, const char *path, const char *seed) {
     }                                                                                   \
   } while (0)
   int stale = r->stale_arch + r->stale_driver + r->stale_template;
-  if (!stale && !r->invalid && !r->unknown_fields && !r->newer_files && !r->seed_missing) {
+  if (!stale && !r->invalid && !r->unknown_fields && !r->newer_files && !r->seed_missing && !r->completed) {
     b[0] = 0;
     return;
   }
@@ -785,10 +834,14 @@ static void build_summary(load_notes *ln, const char *path, const char *seed) {
       seed ? seed : "", r->loaded, r->from_seed);
   if (stale)
     ADD("%d stale records ignored (%d other arch, %d other driver, %d changed template%s%s%s) - re-run 'm3kit tune' "
-        "(after an m3kit upgrade that added a tile axis, tools/rekey.py carries the records whose code it left as it "
+        "(after an m3kit upgrade that added a key axis, tools/rekey.py carries the records whose code it left as it "
         "was: docs/tuning-db.md)",
         stale, r->stale_arch, r->stale_driver, r->stale_template, ln->first_stale_tpl[0] ? ", e.g. '" : "",
         ln->first_stale_tpl, ln->first_stale_tpl[0] ? "'" : "");
+  if (r->completed)
+    ADD("%d records kept with their tiles completed (a tile axis added since their tune renders their code at its "
+        "first value; 'm3kit tune --rehash' writes the completion, so that loads need not render them)",
+        r->completed);
   if (r->invalid) ADD("%d malformed records skipped (first: %s)", r->invalid, ln->first_invalid);
   if (r->unknown_fields) ADD("%d unknown fields ignored", r->unknown_fields);
   if (r->newer_files) ADD("%s", ln->newer);
@@ -1250,8 +1303,26 @@ out:
   return s;
 }
 
+/* A record's tiles in its JSON object, completed as completion_keeps found
+ * (chosen: `tile`; default and candidates by f->complete_tile).  Nonzero on
+ * OOM. */
+static int complete_tiles_json(json_t *r, const char *key, const char *tile, const m3_tunedb_filter *f) {
+  int bad = json_object_set_new(r, "tile", json_string(tile));
+  json_t *d = json_object_get(r, "default_tile"), *ca = json_object_get(r, "candidates"), *c;
+  const char *t;
+  if (json_is_string(d) && (t = f->complete_tile(f->ctx, key, json_string_value(d))))
+    bad |= json_object_set_new(r, "default_tile", json_string(t));
+  size_t i;
+  json_array_foreach(ca, i, c) {
+    json_t *ct = json_object_get(c, "tile");
+    if (json_is_string(ct) && (t = f->complete_tile(f->ctx, key, json_string_value(ct))))
+      bad |= json_object_set_new(c, "tile", json_string(t));
+  }
+  return bad;
+}
+
 m3_status m3_tunedb_add_code_hashes(const char *path, const m3_tunedb_filter *f, m3_rehash_report *rep, m3_err *e) {
-  m3_rehash_report local, cnt = {0, 0, 0, 0, 0, -1};
+  m3_rehash_report local, cnt = {.first_malformed = -1};
   if (!rep) rep = &local;
   *rep = cnt;
   if (!path || !f || !f->template_hash || !f->code_hash || !f->code_scheme)
@@ -1297,7 +1368,14 @@ m3_status m3_tunedb_add_code_hashes(const char *path, const m3_tunedb_filter *f,
       } else { /* a template edit since: if it left the tile's code alone, the record's template hash moves on,
                   so that loads settle it again without rendering (is_stale) */
         const char *code = t ? f->code_hash(f->ctx, key, tile, arch) : NULL;
-        if (code && !strcmp(code, ch)) {
+        char done[512];
+        int keep = code && !strcmp(code, ch);
+        if (!keep && t && completion_keeps(f, &pr, done, sizeof done)) { /* a tile axis added since */
+          if (complete_tiles_json(r, key, done, f)) s = m3_errf(e, M3_NOMEM, "%s: out of memory", path);
+          cnt.completed++;
+          keep = 1;
+        }
+        if (keep) {
           if (json_object_set_new(prov, "template_hash", json_string(cur)))
             s = m3_errf(e, M3_NOMEM, "%s: out of memory", path);
           cnt.refreshed++;

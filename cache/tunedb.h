@@ -222,6 +222,13 @@ typedef struct m3_tunedb_filter {
    * tile unchanged.  (It renders the tile: the template check first keeps a
    * load free of rendering while the templates are the tuned ones.) */
   const char *(*code_hash)(void *ctx, const char *key, const char *tile, const char *arch);
+  /* `tile` with the tile axes key's template declares but `tile` lacks, each
+   * at its first declared value, or NULL when it lacks none or cannot be
+   * completed.  Asked only where code_hash did not keep a record: after an
+   * upgrade that added a tile axis whose first value renders the old code,
+   * the completed tile's code hash is the record's, and the record is kept
+   * with its tiles (chosen, default, candidates) completed.  May be NULL. */
+  const char *(*complete_tile)(void *ctx, const char *key, const char *tile);
   /* The scheme prefix code_hash returns ("c1:", gen/code_hash.h).  A record
    * whose code hash has another scheme (hashed by another m3kit's
    * normalisation) is judged by its template hash instead. */
@@ -236,6 +243,7 @@ typedef struct m3_tunedb_report {
   int stale_arch;     /* ignored: another arch */
   int stale_driver;   /* ignored: another driver version */
   int stale_template; /* ignored: code (or, without a code hash, template) hash changed or template unknown */
+  int completed;      /* kept with their tiles completed by f->complete_tile (a tile axis added since) */
   int invalid;        /* skipped: missing/ill-typed fields */
   int unknown_fields; /* tolerated unknown fields (soft) */
   int newer_files;    /* files ignored because their version > ours */
@@ -280,6 +288,8 @@ m3_status m3_tunedb_save_merge(const char *path, const m3_tunedb *db,
 typedef struct m3_rehash_report {
   int given;     /* given the code hash of their tile */
   int refreshed; /* their template changed but not their tile's code: given the current template hash */
+  int completed; /* ... of those, the code of their tile completed with a tile axis added since: their tiles
+                  * (chosen, default, candidates) written completed */
   int had;       /* a code hash of this scheme and a current template hash: untouched */
   int left;      /* changed template and code, or a tile that no longer renders: untouched */
   int malformed; /* no key, tile, arch or template hash: untouched (the loader skips them) */
@@ -290,8 +300,9 @@ typedef struct m3_rehash_report {
  * f->code_scheme and whose template hash is current (f->template_hash) the
  * code hash of their tile (f->code_hash): what that template text renders is
  * the code they timed.  Records with a code hash whose template changed since
- * but whose tile's code did not are given the current template hash, so that
- * a load settles them without rendering.  Read, edit and publish happen under
+ * but whose tile's code did not (also where only f->complete_tile's completion
+ * of their tile renders it: their tiles are then written completed) are given
+ * the current template hash, so that a load settles them without rendering.  Read, edit and publish happen under
  * the file's lock (as save_merge), editing the JSON in place: record order,
  * other records, unknown fields stay as they were; the file is rewritten only
  * when some record changed.  rep may be NULL.  Errors: M3_NOTFOUND (no file),

@@ -37,9 +37,33 @@ const char *m3_tuning_code_hash(void *ctx, const char *key, const char *tile, co
   return h->buf;
 }
 
+const char *m3_tuning_complete_tile(void *ctx, const char *key, const char *tile) {
+  m3_tuning_hash_ctx *h = ctx;
+  m3_variant v;
+  m3_schema sc;
+  m3_err e;
+  if (m3_variant_parse(key, &v, &e) != M3_OK || m3_variant_parse_tile(&v, tile, &e) != M3_OK ||
+      m3_render_schema(h->lua, v.op, &sc, &e) != M3_OK)
+    return NULL;
+  int added = 0;
+  for (int i = 0; i < sc.n_tiles; i++)
+    if (!m3_variant_tilev(&v, sc.tiles[i].name)) {
+      /* a free integer axis has no first value to stand for "as before" */
+      if (sc.tiles[i].is_int || sc.tiles[i].n_values < 1) return NULL;
+      if (m3_variant_set_tile(&v, sc.tiles[i].name, sc.tiles[i].values[0], &e) != M3_OK) return NULL;
+      added++;
+    }
+  /* canon puts the fields in the template's order and refuses a field the
+   * template does not declare (an axis removed since: nothing to complete) */
+  if (!added || m3_render_canon(h->lua, &v, &e) != M3_OK) return NULL;
+  if (m3_variant_print_tile(&v, h->tbuf, sizeof h->tbuf) >= sizeof h->tbuf) return NULL;
+  return h->tbuf;
+}
+
 void m3_tuning_filter_init(m3_tunedb_filter *f, m3_tuning_hash_ctx *hc, const char *arch, const char *driver_version) {
   *f = (m3_tunedb_filter){.arch = arch, .driver_version = driver_version, .template_hash = m3_tuning_template_hash,
-                          .code_hash = m3_tuning_code_hash, .code_scheme = M3_CODE_HASH_SCHEME, .ctx = hc};
+                          .code_hash = m3_tuning_code_hash, .complete_tile = m3_tuning_complete_tile,
+                          .code_scheme = M3_CODE_HASH_SCHEME, .ctx = hc};
 }
 
 /* The seed DB: $M3KIT_SEED_DB, else the installed copy, else the source tree's. */

@@ -24,7 +24,7 @@ const char *m3_tuning_seed_path(const char *arch, char *buf, size_t n);
  * as the runtime applies it: ctx is an m3_tuning_hash_ctx whose lua renders
  * the templates this build embeds (or $M3KIT_TEMPLATE_DIR's); the template's
  * hash as 16 hex digits in ctx->buf, or NULL when `name` is no template. */
-typedef struct m3_tuning_hash_ctx { m3_lua *lua; char buf[32]; } m3_tuning_hash_ctx;
+typedef struct m3_tuning_hash_ctx { m3_lua *lua; char buf[32]; char tbuf[512]; } m3_tuning_hash_ctx;
 const char *m3_tuning_template_hash(void *ctx, const char *name);
 /* The code-hash check (m3_tunedb_filter.code_hash), same ctx: the code hash
  * (gen/render.h m3_render_code_hash) of `key` (axes only, as a record has it)
@@ -32,7 +32,13 @@ const char *m3_tuning_template_hash(void *ctx, const char *name);
  * cannot be rendered any more (no such template, axis or tile value, or a
  * tile valid() now refuses). */
 const char *m3_tuning_code_hash(void *ctx, const char *key, const char *tile, const char *arch);
-/* Both checks, as every reader of a tuning DB applies them. */
+/* The tile completion (m3_tunedb_filter.complete_tile), same ctx: `tile`
+ * with the tile axes of key's template that it lacks, each at its first
+ * declared value, every field in the template's order, in ctx->tbuf; NULL
+ * when it lacks none, or when it cannot be completed (no such template, a
+ * field the template no longer declares, a missing free-integer axis). */
+const char *m3_tuning_complete_tile(void *ctx, const char *key, const char *tile);
+/* All three checks, as every reader of a tuning DB applies them. */
 void m3_tuning_filter_init(struct m3_tunedb_filter *f, m3_tuning_hash_ctx *hc, const char *arch,
                            const char *driver_version);
 

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cache/tunedb.h"
 #include "gen/code_hash.h"
@@ -394,6 +395,78 @@ START_TEST(seed_db_matches_the_templates) {
 }
 END_TEST
 
+/* A tile axis added after a tune (rmsnorm's `cluster`, session 36) whose
+ * first value renders the code as it was: the records tuned before it, whose
+ * tiles lack it, are kept on load with their tiles completed, and --rehash
+ * writes the completion; a record whose completed tile renders other code
+ * stays stale, as does a tile naming a field the template never had. */
+START_TEST(added_tile_axis_completes_old_records) {
+  m3_tuning_hash_ctx hc = {.lua = L};
+  const char *key = "rmsnorm(add=0,f32copy=0,combine=0,n=6144)";
+  const char *t = m3_tuning_complete_tile(&hc, key, "threads=768");
+  ck_assert_ptr_nonnull(t);
+  ck_assert_str_eq(t, "threads=768,cluster=1");
+  ck_assert_ptr_null(m3_tuning_complete_tile(&hc, key, "threads=768,cluster=2"));  /* lacks nothing */
+  ck_assert_ptr_null(m3_tuning_complete_tile(&hc, key, "threads=768,rows=2"));     /* not rmsnorm's */
+  ck_assert_ptr_null(m3_tuning_complete_tile(&hc, "no_such_op(a=1)", "threads=768"));
+  char c768[64], c512[64];
+  snprintf(c768, sizeof c768, "%s", m3_tuning_code_hash(&hc, key, "threads=768,cluster=1", "sm_90"));
+  snprintf(c512, sizeof c512, "%s", m3_tuning_code_hash(&hc, key, "threads=512,cluster=1", "sm_90"));
+  ck_assert_str_ne(c768, c512);
+
+  char dir[] = "/tmp/m3tdbXXXXXX", path[300], doc[3000];
+  ck_assert_ptr_nonnull(mkdtemp(dir));
+  snprintf(path, sizeof path, "%s/sm_90.json", dir);
+#define OLDREC(bucket, code)                                                                                     \
+  "{\"key\": \"%s\", \"bucket\": \"" bucket "\", \"arch\": \"sm_90\", \"tile\": \"threads=768\", "            \
+  "\"default_tile\": \"threads=256\", \"candidates\": [{\"tile\": \"threads=256\", \"disposition\": \"PASSED\"}, " \
+  "{\"tile\": \"threads=768\", \"disposition\": \"PASSED\"}], \"provenance\": {\"template_hash\": "             \
+  "\"0000000000000000\", \"code_hash\": \"%s\"}}"
+  snprintf(doc, sizeof doc,
+           "{\"format\": \"m3kit-tunedb\", \"version\": 1, \"records\": [" OLDREC("tokens=1", "%s") ", "
+           OLDREC("tokens=8", "%s") "]}\n",
+           key, c768, key, c512); /* tokens=8: its code is another tile's */
+#undef OLDREC
+  put(dir, "sm_90.json", doc);
+  m3_tunedb_filter f;
+  m3_tuning_filter_init(&f, &hc, "sm_90", NULL);
+  m3_tunedb_report rep;
+  m3_err e;
+  for (int pass = 0; pass < 2; pass++) { /* before and after --rehash */
+    m3_tunedb *db = m3_tunedb_new();
+    ck_assert_msg(m3_tunedb_load(db, path, NULL, &f, &rep, &e) == M3_OK, "%s", e.msg);
+    ck_assert_int_eq(rep.loaded, 1);
+    ck_assert_int_eq(rep.stale_template, 1);
+    ck_assert_int_eq(rep.completed, pass == 0 ? 1 : 0); /* written by --rehash: nothing left to complete */
+    const m3_tune_record *r = m3_tunedb_get(db, 0);
+    ck_assert_str_eq(r->tile, "threads=768,cluster=1");
+    ck_assert_str_eq(r->default_tile, "threads=256,cluster=1");
+    ck_assert_uint_eq(r->n_candidates, 2);
+    ck_assert_str_eq(r->candidates[0].tile, "threads=256,cluster=1");
+    ck_assert_str_eq(r->candidates[1].tile, "threads=768,cluster=1");
+    ck_assert_str_eq(r->prov.code_hash, c768);
+    m3_tunedb_free(db);
+    if (pass == 1) break;
+    m3_rehash_report rr;
+    ck_assert_msg(m3_tunedb_add_code_hashes(path, &f, &rr, &e) == M3_OK, "%s", e.msg);
+    ck_assert_int_eq(rr.completed, 1);
+    ck_assert_int_eq(rr.refreshed, 1);
+    ck_assert_int_eq(rr.left, 1);
+  }
+  /* Without the completion (an older reader) the record is stale. */
+  f.complete_tile = NULL;
+  put(dir, "sm_90.json", doc);
+  m3_tunedb *db = m3_tunedb_new();
+  ck_assert_int_eq(m3_tunedb_load(db, path, NULL, &f, &rep, &e), M3_OK);
+  ck_assert_int_eq(rep.loaded, 0);
+  m3_tunedb_free(db);
+  remove(path);
+  snprintf(path, sizeof path, "%s/sm_90.json.lock", dir); /* --rehash's */
+  remove(path);
+  ck_assert_int_eq(rmdir(dir), 0);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("variant");
   TCase *tc = tcase_create("keys");
@@ -408,6 +481,7 @@ int main(void) {
   tcase_add_test(tc, code_hash_ignores_comments_and_blanks);
   tcase_add_test(tc, code_hash_stales_only_changed_tiles);
   tcase_add_test(tc, seed_db_matches_the_templates);
+  tcase_add_test(tc, added_tile_axis_completes_old_records);
   suite_add_tcase(s, tc);
   /* two endless loops run to the instruction budget (about a second each,
    * several under the sanitizers) */

@@ -155,10 +155,13 @@ static int rehash(const char *arch, const char *db_path) {
   m3_status s = m3_tunedb_add_code_hashes(path, &f, &r, &e);
   m3_lua_close(L);
   if (s != M3_OK) return cli_fail("tune", s, &e);
+  char completed[160] = "";
+  if (r.completed)
+    snprintf(completed, sizeof completed, ", %d of them with their tiles completed by a tile axis added since", r.completed);
   printf("%s: %d records given the code hash of their tile; %d given the current template hash (their template "
-         "changed, their code did not)%s; %d current already; %d stale (their code changed or their tile no longer "
-         "renders: re-run 'm3kit tune', or, after an upgrade that added a tile axis, tools/rekey.py), left as they were",
-         path, r.given, r.refreshed, r.given + r.refreshed ? "" : " (file not rewritten)", r.had, r.left);
+         "changed, their code did not%s)%s; %d current already; %d stale (their code changed or their tile no longer "
+         "renders: re-run 'm3kit tune', or, after an upgrade that added a key axis, tools/rekey.py), left as they were",
+         path, r.given, r.refreshed, completed, r.given + r.refreshed ? "" : " (file not rewritten)", r.had, r.left);
   if (r.malformed) printf("; %d malformed, left as they were (first: record %d)", r.malformed, r.first_malformed);
   printf("\n");
   return 0;
