@@ -697,7 +697,7 @@ static const char *completion_keeps(const m3_tunedb_filter *f, const m3_tune_rec
  * otherwise no user with a different driver would ever see a seed record. */
 static int is_stale(const m3_tune_record *r, int origin, const m3_tunedb_filter *f, load_notes *ln,
                     char *completed, size_t cn) {
-  completed[0] = 0; /* kept with its tiles completed: the completed tile here */
+  completed[0] = 0; /* kept through a rendering: the chosen tile, completed where it lacked an axis, here */
   if (!f) return 0;
   if (f->arch && strcmp(f->arch, r->arch)) return ++ln->rep->stale_arch;
   if (f->driver_version && origin != ORIGIN_SEED &&
@@ -714,7 +714,11 @@ static int is_stale(const m3_tune_record *r, int origin, const m3_tunedb_filter 
   if (h && !strcmp(h, r->prov.template_hash)) return 0;
   if (f->code_hash && has_scheme(r->prov.code_hash, f->code_scheme)) {
     const char *c = f->code_hash(f->ctx, r->key, r->tile, r->arch);
-    if (c && !strcmp(c, r->prov.code_hash)) return 0;
+    if (c && !strcmp(c, r->prov.code_hash)) {
+      /* its default and candidates may still lack an axis its tile names (a hand-edited record) */
+      if (snprintf(completed, cn, "%s", r->tile) >= (int)cn) completed[0] = 0;
+      return 0;
+    }
     if (completion_keeps(f, r, completed, cn)) return 0;
     completed[0] = 0;
   }
@@ -723,26 +727,29 @@ static int is_stale(const m3_tune_record *r, int origin, const m3_tunedb_filter 
 }
 
 /* db_insert of r with its tiles completed: the chosen one is `tile`
- * (completion_keeps), the default and the candidates' are completed the same
- * way, so that the record reads as if tuned with the added axis at its first
- * value (the chosen tile stays the PASSED candidate it was). */
+ * (completion_keeps, or r's own), the default and the candidates' are
+ * completed where they lack an axis, so that the record reads as if tuned
+ * with the added axis at its first value (the chosen tile stays the PASSED
+ * candidate it was).  *changed: whether any tile changed. */
 static m3_status insert_completed(m3_tunedb *db, const m3_tune_record *r, const char *tile, int origin, int *prev,
-                                  const m3_tunedb_filter *f, m3_err *e) {
+                                  const m3_tunedb_filter *f, int *changed, m3_err *e) {
   m3_tune_record c = *r;
   char *dflt = NULL;
   m3_tune_candidate *cands = NULL;
   int oom = 0;
   c.tile = tile;
-  if (r->default_tile) {
+  *changed = strcmp(tile, r->tile) != 0;
+  if (r->default_tile && f->complete_tile) {
     const char *t = f->complete_tile(f->ctx, r->key, r->default_tile);
     if (t && !(dflt = strdup(t))) oom = 1;
-    if (dflt) c.default_tile = dflt;
+    if (dflt) c.default_tile = dflt, *changed = 1;
   }
-  if (r->n_candidates && !(cands = calloc(r->n_candidates, sizeof *cands))) oom = 1;
+  if (r->n_candidates && f->complete_tile && !(cands = calloc(r->n_candidates, sizeof *cands))) oom = 1;
   for (size_t i = 0; cands && i < r->n_candidates; i++) {
     cands[i] = r->candidates[i];
     const char *t = f->complete_tile(f->ctx, r->key, r->candidates[i].tile);
     if (t && !(cands[i].tile = strdup(t))) oom = 1, cands[i].tile = r->candidates[i].tile;
+    if (cands[i].tile != r->candidates[i].tile) *changed = 1;
   }
   if (cands) c.candidates = cands;
   m3_status s = oom ? m3_errf(e, M3_NOMEM, "tuning DB: out of memory completing record '%s'", r->key)
@@ -789,10 +796,11 @@ static m3_status load_file(m3_tunedb *db, const char *path, int origin, const m3
       if (!ln->first_invalid[0])
         snprintf(ln->first_invalid, sizeof ln->first_invalid, "%s record %zu: %s", path, i, why);
     } else if (!is_stale(&r, origin, f, ln, completed, sizeof completed)) {
-      int prev;
-      s = completed[0] ? insert_completed(db, &r, completed, origin, &prev, f, e) : db_insert(db, &r, origin, &prev, e);
+      int prev, changed = 0;
+      s = completed[0] ? insert_completed(db, &r, completed, origin, &prev, f, &changed, e)
+                       : db_insert(db, &r, origin, &prev, e);
       if (s == M3_OK) {
-        if (completed[0]) ln->rep->completed++;
+        ln->rep->completed += changed;
         ln->rep->loaded++;
         /* User records win over seed records: the seed is only what we knew
          * before this machine was tuned. */
@@ -1303,20 +1311,23 @@ out:
   return s;
 }
 
-/* A record's tiles in its JSON object, completed as completion_keeps found
- * (chosen: `tile`; default and candidates by f->complete_tile).  Nonzero on
- * OOM. */
-static int complete_tiles_json(json_t *r, const char *key, const char *tile, const m3_tunedb_filter *f) {
-  int bad = json_object_set_new(r, "tile", json_string(tile));
+/* A record's tiles in its JSON object, completed as insert_completed does
+ * (chosen: `tile`; default and candidates by f->complete_tile where they lack
+ * an axis).  *changed: whether any tile changed.  Nonzero on OOM. */
+static int complete_tiles_json(json_t *r, const char *key, const char *tile, const m3_tunedb_filter *f, int *changed) {
+  json_t *own = json_object_get(r, "tile");
+  *changed = !json_is_string(own) || strcmp(json_string_value(own), tile) != 0;
+  int bad = *changed && json_object_set_new(r, "tile", json_string(tile));
+  if (!f->complete_tile) return bad;
   json_t *d = json_object_get(r, "default_tile"), *ca = json_object_get(r, "candidates"), *c;
   const char *t;
   if (json_is_string(d) && (t = f->complete_tile(f->ctx, key, json_string_value(d))))
-    bad |= json_object_set_new(r, "default_tile", json_string(t));
+    bad |= json_object_set_new(r, "default_tile", json_string(t)), *changed = 1;
   size_t i;
   json_array_foreach(ca, i, c) {
     json_t *ct = json_object_get(c, "tile");
     if (json_is_string(ct) && (t = f->complete_tile(f->ctx, key, json_string_value(ct))))
-      bad |= json_object_set_new(c, "tile", json_string(t));
+      bad |= json_object_set_new(c, "tile", json_string(t)), *changed = 1;
   }
   return bad;
 }
@@ -1369,13 +1380,12 @@ m3_status m3_tunedb_add_code_hashes(const char *path, const m3_tunedb_filter *f,
                   so that loads settle it again without rendering (is_stale) */
         const char *code = t ? f->code_hash(f->ctx, key, tile, arch) : NULL;
         char done[512];
-        int keep = code && !strcmp(code, ch);
-        if (!keep && t && completion_keeps(f, &pr, done, sizeof done)) { /* a tile axis added since */
-          if (complete_tiles_json(r, key, done, f)) s = m3_errf(e, M3_NOMEM, "%s: out of memory", path);
-          cnt.completed++;
-          keep = 1;
-        }
-        if (keep) {
+        int keep = code && !strcmp(code, ch), changed = 0;
+        if (keep) snprintf(done, sizeof done, "%s", tile);
+        else keep = t && completion_keeps(f, &pr, done, sizeof done); /* a tile axis added since */
+        if (keep) { /* its tiles completed where they lack an axis (its default and candidates may) */
+          if (complete_tiles_json(r, key, done, f, &changed)) s = m3_errf(e, M3_NOMEM, "%s: out of memory", path);
+          cnt.completed += changed;
           if (json_object_set_new(prov, "template_hash", json_string(cur)))
             s = m3_errf(e, M3_NOMEM, "%s: out of memory", path);
           cnt.refreshed++;

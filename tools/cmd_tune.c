@@ -44,12 +44,15 @@ static void help(void) {
          "                     (--rehash) instead of the cache's\n"
          "  --show             print the tuning DB of this GPU's arch (or --arch) and exit\n"
          "  --plot DIR         write PNG plots (gnuplot) of time against tile and exit (untuned: the seed's)\n"
-         "  --arch SM          arch for --show/--plot/--rehash without a GPU (default: the GPU's, else sm_90)\n"
+         "  --arch SM          arch for --show/--plot/--rehash without a GPU (default: the GPU's, else sm_90):\n"
+         "                     picks the cache's <arch>.json (--rehash renders each record for its own arch)\n"
          "  --rehash           give every record of the DB (or --db FILE) whose template is unchanged the\n"
          "                     code hash of its tile, so that later template edits that leave that code\n"
          "                     alone keep it valid, and records kept that way the current template hash\n"
-         "                     (a load then renders nothing); no GPU.  A DB is written under FILE.lock (an\n"
-         "                     flock; the empty file stays, as every writer of FILE uses it)\n");
+         "                     (a load then renders nothing), their tiles completed with any tile axis added\n"
+         "                     since their tune (at its first value, where that renders their code); no GPU.\n"
+         "                     A DB is written under FILE.lock (an flock; the empty file stays, as every\n"
+         "                     writer of FILE uses it)\n");
   printf("\nkernel families (one adapter each, autotune/ops_table.c; kv_insert and fill are never\n"
          "looked up by shape at run time, so they have no shapes to tune):\n ");
   int col = 1;
@@ -159,11 +162,11 @@ static int rehash(const char *arch, const char *db_path) {
   if (r.completed)
     snprintf(completed, sizeof completed, ", %d of them with their tiles completed by a tile axis added since", r.completed);
   printf("%s: %d records given the code hash of their tile; %d given the current template hash (their template "
-         "changed, their code did not%s)%s; %d current already; %d stale (their code changed or their tile no longer "
+         "changed, their code did not%s); %d current already; %d stale (their code changed or their tile no longer "
          "renders: re-run 'm3kit tune', or, after an upgrade that added a key axis, tools/rekey.py), left as they were",
-         path, r.given, r.refreshed, completed, r.given + r.refreshed ? "" : " (file not rewritten)", r.had, r.left);
+         path, r.given, r.refreshed, completed, r.had, r.left);
   if (r.malformed) printf("; %d malformed, left as they were (first: record %d)", r.malformed, r.first_malformed);
-  printf("\n");
+  printf("; %s\n", r.given + r.refreshed ? "file rewritten" : "file not rewritten");
   return 0;
 }
 
