@@ -66,6 +66,8 @@ T.tiles = {
                                 --   2: as 1, and the first keys are requested before the query, in one round trip
   {"merge", {"fence", "acqrel"}}, -- how a split hands over: __threadfence x2 + atomicAdd, or one acq_rel atomic
                                 --   (and, with one block a split, the merge takes its candidates from the split heads)
+  {"nf", {"scan", "acc"}},      -- how a group's non-finite keys are found: scan every key word (3 integer ops a
+                                --   word), or test the group's accumulators (NF_CHECK below)
 }
 
 function T.valid(k, t, arch)
@@ -80,12 +82,16 @@ function T.valid(k, t, arch)
   if k.init < 0 or k["local"] < 0 then return false, "init and local block counts must be >= 0" end
   if t.cvt == "hw" and k.idxk ~= "e4m3" then return false, "cvt=hw converts e4m3 only: bf16 keys need no conversion (cvt=alu)" end
   if t.cvt == "hw" and sm < 89 then return false, "cvt.rn.f16x2.e4m3x2 needs sm_89+" end
+  if t.nf == "acc" and k.idxk == "e4m3" and t.cvt ~= "hw" then
+    return false, "nf=acc needs cvt=hw with e4m3 keys (cvt=alu's bit moves turn an e4m3 NaN into a finite fp16)"
+  end
   if t.lead >= 1 and sm < 90 then return false, "lead=" .. t.lead .. " overlaps the previous kernel through programmatic dependent launch (sm_90+)" end
   return true
 end
 
 function T.default_tile(k, arch)
-  return {warps = 4, depth = k.idxk == "e4m3" and 4 or 2, waves = 1, chunk = 16, cvt = "alu", lead = 0, merge = "fence"}
+  return {warps = 4, depth = k.idxk == "e4m3" and 4 or 2, waves = 1, chunk = 16, cvt = "alu", lead = 0, merge = "fence",
+          nf = "scan"}
 end
 
 function T.variants(c)
@@ -257,9 +263,7 @@ $prologue$opening    for (int base = u0; base < u1; base += DEPTH) {
           float c[4];
           group_dot(c, buf[d], qf);
           unsigned na = 0, nb8 = 0;
-#pragma unroll
-          for (int j = 0; j < CPR; j++) na = nf_acc4(na, buf[d][j]), nb8 = nf_acc4(nb8, buf[d][CPR + j]);
-          const i64 row0 = (i64)(c0 + bl) * BS + (u - bl * GPB) * 16;
+$nf_check          const i64 row0 = (i64)(c0 + bl) * BS + (u - bl * GPB) * 16;
           if (row0 + 16 > L) { /* the group holds rows past the query: masked (causal, j <= position) */
             if (row0 + g >= L) c[0] = c[1] = f_ninf(), na = 0u;
             if (row0 + g + 8 >= L) c[2] = c[3] = f_ninf(), nb8 = 0u;
@@ -459,6 +463,28 @@ local OPEN = {
 #pragma unroll
     for (int d = 0; d < DEPTH; d++)
       if (u0 + d < u1) load(buf[d], u0 + d);
+]],
+}
+
+-- How the score loop finds the 16-token groups that hold non-finite keys,
+-- which the exact path recomputes (tile nf).  scan: every key word through
+-- nf_acc4, 3 integer ops a word - in the loop's SASS (sm_90, the seed's
+-- 1M tiles) 192 of bf16's 651 instructions an iteration, 96 of e4m3's 537.
+-- acc: the row's mma accumulators instead, 2 tests a row: a non-finite key
+-- (bf16 Inf or NaN, e4m3 NaN) makes every column of its row non-finite
+-- (Inf x 0 and NaN x anything are NaN, Inf + finite is Inf, a NaN stays),
+-- the query being finite (a non-finite query sends every group to the exact
+-- path, qbad), so every group scan flags is flagged; acc also flags finite
+-- keys whose fp32 sums overflow, which the exact path then computes as the
+-- reference does.  Masked rows are cleared after, as for scan.
+local NF_CHECK = {
+  scan = [[
+#pragma unroll
+          for (int j = 0; j < CPR; j++) na = nf_acc4(na, buf[d][j]), nb8 = nf_acc4(nb8, buf[d][CPR + j]);
+]],
+  acc = [[
+          if (!(fabsf(c[0]) <= 3.40282347e38f && fabsf(c[1]) <= 3.40282347e38f)) na = NF_MASK; /* NaN fails <= */
+          if (!(fabsf(c[2]) <= 3.40282347e38f && fabsf(c[3]) <= 3.40282347e38f)) nb8 = NF_MASK;
 ]],
 }
 
@@ -701,7 +727,7 @@ function T.render(k, t, arch, sym)
     opening = t.lead == 2 and OPEN.S_OPEN .. OPEN.S_PRE .. OPEN.Q .. OPEN.S_FLUSH
                            or OPEN.Q .. OPEN.S_OPEN .. OPEN.S_FLUSH .. OPEN.S_PRE,
     publish = M.publish, h1_open = M.h1_open, h1_close = M.h1_close, count_init = M.count_init,
-    push = M.push, count_done = M.count_done, rank = M.rank,
+    push = M.push, count_done = M.count_done, rank = M.rank, nf_check = NF_CHECK[t.nf],
   }
   local src = body:gsub("%$([%w_]+)", function(n)
     if v[n] == nil then error("index_decode: no value for $" .. n) end

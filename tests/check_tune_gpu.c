@@ -238,10 +238,10 @@ END_TEST
 typedef struct { const char *op, *variant, *shapes, *broken, *good; int emu, direct; const char *fuse; } adapter_case;
 
 static const adapter_case ADAPTERS[] = {
-    {"index_decode", "idxk=bf16", "tokens=1;ctx=8192", "warps=8,depth=2,waves=1,chunk=16,cvt=alu,lead=0,merge=fence",
-     "warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=2,merge=acqrel", 1},
-    {"index_decode", "idxk=e4m3", "tokens=1;ctx=8192", "warps=4,depth=4,waves=1,chunk=16,cvt=alu,lead=1,merge=acqrel",
-     "warps=4,depth=4,waves=1,chunk=16,cvt=hw,lead=0,merge=fence", 1},
+    {"index_decode", "idxk=bf16", "tokens=1;ctx=8192", "warps=8,depth=2,waves=1,chunk=16,cvt=alu,lead=0,merge=fence,nf=scan",
+     "warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=2,merge=acqrel,nf=acc", 1},
+    {"index_decode", "idxk=e4m3", "tokens=1;ctx=8192", "warps=4,depth=4,waves=1,chunk=16,cvt=alu,lead=1,merge=acqrel,nf=scan",
+     "warps=4,depth=4,waves=1,chunk=16,cvt=hw,lead=0,merge=fence,nf=acc", 1},
     {"index_prefill", "stage=score,idxk=bf16", "tokens=256;ctx=256", "warps=4", "warps=2", 1},
     {"index_prefill", "stage=topk,idxk=e4m3", "tokens=256;ctx=256", "warps=2", "warps=8", 1},
     {"attn_sparse", "mode=decode,kv=bf16", "tokens=1;ctx=8192", "warps=8,ctas=1,depth=1,cvt=alu,merge=fence", "warps=4,ctas=2,depth=1,cvt=alu,merge=acqrel", 1},

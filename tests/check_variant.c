@@ -97,7 +97,7 @@ START_TEST(invalid_combinations_have_reasons) {
   expect_invalid("attn_dense(mode=prefill,kv=bf16,nq=64,nkv=4,hd=128,bs=128)[warps=4,ctas=1,depth=1,cvt=alu,lead=1,merge=fence]@sm_90", "decode");
   expect_invalid("attn_sparse(mode=prefill,kv=bf16,nq=64,nkv=4,hd=128,bs=128,topk=16)[warps=4,ctas=1,depth=1,cvt=alu,merge=acqrel]@sm_90",
                  "decode only");
-  expect_invalid("index_decode(idxk=bf16,heads=4,hd=128,bs=128,topk=16,init=0,local=1)[warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=1,merge=fence]@sm_80", "sm_90");
+  expect_invalid("index_decode(idxk=bf16,heads=4,hd=128,bs=128,topk=16,init=0,local=1)[warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=1,merge=fence,nf=scan]@sm_80", "sm_90");
   expect_invalid(QK "[warps=4,hpw=1,lph=32,rope=pair]@sm_75", "sm_80");
 }
 END_TEST
