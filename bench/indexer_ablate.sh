@@ -73,6 +73,7 @@ printf 'round\tidxk\tcontext\tvariant\ttile\tmedian_us\tgraph_us\n' > "$res"
 for r in $(seq 1 "$rounds"); do
   echo "$cases" | tr ';' '\n' | while IFS=: read -r ix ctx tile; do
     [ -n "$ix" ] || continue
+    case $tile in *nf=*) ;; *) tile="$tile,nf=scan";; esac # tile axis nf (session 37): scan is the old code
     base=$(echo "$tile" | sed -E 's/,?lead=[0-9]//; s/,?merge=[a-z]+//')
     lead=$(echo "$tile" | sed -nE 's/.*lead=([0-9]).*/\1/p'); lead=${lead:-0}
     for v in $variants; do

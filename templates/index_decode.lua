@@ -90,8 +90,7 @@ function T.valid(k, t, arch)
 end
 
 function T.default_tile(k, arch)
-  return {warps = 4, depth = k.idxk == "e4m3" and 4 or 2, waves = 1, chunk = 16, cvt = "alu", lead = 0, merge = "fence",
-          nf = "scan"}
+  return {warps = 4, depth = k.idxk == "e4m3" and 4 or 2, waves = 1, chunk = 16, cvt = "alu", lead = 0, merge = "fence", nf = "scan"}
 end
 
 function T.variants(c)

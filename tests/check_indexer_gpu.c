@@ -412,13 +412,13 @@ START_TEST(decode_many_splits) {
   /* g_plan_sms 1000: one block a split (bpc 1) and more splits than the
    * merge holds in registers (RH x 32), so merge=acqrel takes its candidates
    * from the heads, both those in registers and those past them. */
-  static const char *tiles[] = {"warps=4,depth=2,waves=1,chunk=8,cvt=alu,lead=0,merge=fence",
-                                "warps=8,depth=2,waves=2,chunk=32,cvt=alu,lead=1,merge=fence",
-                                "warps=4,depth=2,waves=1,chunk=8,cvt=alu,lead=0,merge=acqrel",
-                                "warps=8,depth=2,waves=1,chunk=16,cvt=alu,lead=2,merge=acqrel",
+  static const char *tiles[] = {"warps=4,depth=2,waves=1,chunk=8,cvt=alu,lead=0,merge=fence,nf=scan",
+                                "warps=8,depth=2,waves=2,chunk=32,cvt=alu,lead=1,merge=fence,nf=scan",
+                                "warps=4,depth=2,waves=1,chunk=8,cvt=alu,lead=0,merge=acqrel,nf=scan",
+                                "warps=8,depth=2,waves=1,chunk=16,cvt=alu,lead=2,merge=acqrel,nf=scan",
                                 /* every lead x merge pairing (the seed runs lead=1 with acqrel) */
-                                "warps=8,depth=2,waves=1,chunk=32,cvt=alu,lead=1,merge=acqrel",
-                                "warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=2,merge=fence"};
+                                "warps=8,depth=2,waves=1,chunk=32,cvt=alu,lead=1,merge=acqrel,nf=scan",
+                                "warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=2,merge=fence,nf=scan"};
   g_plan_sms = (_i >> 1) ? 1 : 1000;
   for (int i = 0; i < 6; i++) free(check_decode(&p, tiles[i], 0));
   g_plan_sms = 0;
@@ -437,7 +437,7 @@ START_TEST(decode_exact_ties) {
   free(check_decode(&p, NULL, 1));
   /* The same ties through the acqrel merge's heads-only path (bpc 1). */
   g_plan_sms = 1000;
-  free(check_decode(&p, "warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=0,merge=acqrel", 1));
+  free(check_decode(&p, "warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=0,merge=acqrel,nf=scan", 1));
   g_plan_sms = 0;
   free_prob(&p);
 }
@@ -451,7 +451,7 @@ END_TEST
  * and 16 the candidates number about 31, 61 and 242 - the shuffle rank of
  * two keys a lane and the shared-memory rank (bpc 1: of one key a lane). */
 START_TEST(decode_acqrel_candidates) {
-  const char *tile = "warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=0,merge=acqrel";
+  const char *tile = "warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=0,merge=acqrel,nf=scan";
   for (int big = 0; big < 2; big++) {
     int64_t lens[] = {big ? 20000 : 16384};
     int ql[] = {2};
@@ -479,8 +479,8 @@ START_TEST(decode_merge_fallback) {
   int64_t lens[] = {12000};
   popts o = {.e4m3 = _i, .local = 1, .salt = 23, .hot = 12, .bs = 16};
   prob p = make_prob(lens, NULL, 1, o);
-  static const char *tiles[] = {"warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=0,merge=fence",
-                                "warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=0,merge=acqrel"};
+  static const char *tiles[] = {"warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=0,merge=fence,nf=scan",
+                                "warps=4,depth=2,waves=1,chunk=16,cvt=alu,lead=0,merge=acqrel,nf=scan"};
   for (int ti = 0; ti < 2; ti++) {
     m3_kernel *k = decode_kernel(&p, tiles[ti]);
     for (int bpc = 1; bpc <= 2; bpc++) {
