@@ -224,10 +224,11 @@ typedef struct m3_tunedb_filter {
   const char *(*code_hash)(void *ctx, const char *key, const char *tile, const char *arch);
   /* `tile` with the tile axes key's template declares but `tile` lacks, each
    * at its first declared value, or NULL when it lacks none or cannot be
-   * completed.  Asked only where code_hash did not keep a record: after an
+   * completed.  Asked only for records whose template changed: after an
    * upgrade that added a tile axis whose first value renders the old code,
    * the completed tile's code hash is the record's, and the record is kept
-   * with its tiles (chosen, default, candidates) completed.  May be NULL. */
+   * with its tiles (chosen, default, candidates) completed; a record kept by
+   * its own tile gets its default and candidates completed.  May be NULL. */
   const char *(*complete_tile)(void *ctx, const char *key, const char *tile);
   /* The scheme prefix code_hash returns ("c1:", gen/code_hash.h).  A record
    * whose code hash has another scheme (hashed by another m3kit's
@@ -288,8 +289,8 @@ m3_status m3_tunedb_save_merge(const char *path, const m3_tunedb *db,
 typedef struct m3_rehash_report {
   int given;     /* given the code hash of their tile */
   int refreshed; /* their template changed but not their tile's code: given the current template hash */
-  int completed; /* ... of those, the code of their tile completed with a tile axis added since: their tiles
-                  * (chosen, default, candidates) written completed */
+  int completed; /* ... of those, with a tile (chosen, default or candidate) completed with a tile axis added
+                  * since, and written so */
   int had;       /* a code hash of this scheme and a current template hash: untouched */
   int left;      /* changed template and code, or a tile that no longer renders: untouched */
   int malformed; /* no key, tile, arch or template hash: untouched (the loader skips them) */
@@ -302,8 +303,8 @@ typedef struct m3_rehash_report {
  * the code they timed.  Records with a code hash whose template changed since
  * but whose tile's code did not (also where only f->complete_tile's completion
  * of their tile renders it: their tiles are then written completed) are given
- * the current template hash, so that a load settles them without rendering.  Read, edit and publish happen under
- * the file's lock (as save_merge), editing the JSON in place: record order,
+ * the current template hash, so that a load settles them without rendering.
+ * Read, edit and publish happen under the file's lock (as save_merge), editing the JSON in place: record order,
  * other records, unknown fields stay as they were; the file is rewritten only
  * when some record changed.  rep may be NULL.  Errors: M3_NOTFOUND (no file),
  * M3_FORMAT (garbled: not touched), M3_UNSUPPORTED (newer version), M3_INVAL
