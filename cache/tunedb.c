@@ -726,6 +726,16 @@ static int is_stale(const m3_tune_record *r, int origin, const m3_tunedb_filter 
   return ++ln->rep->stale_template;
 }
 
+/* Fields of a tile string ("a=1,b=2": 2).  A tile with fewer than the chosen
+ * one (which rendered, so names every axis) lacks an axis: only those are
+ * handed to f->complete_tile, which renders the template's schema - at every
+ * start for a record whose template changed, over ~200 candidates each. */
+static int n_fields(const char *tile) {
+  int n = 0;
+  for (; *tile; tile++) n += *tile == '=';
+  return n;
+}
+
 /* db_insert of r with its tiles completed: the chosen one is `tile`
  * (completion_keeps, or r's own), the default and the candidates' are
  * completed where they lack an axis, so that the record reads as if tuned
@@ -739,7 +749,8 @@ static m3_status insert_completed(m3_tunedb *db, const m3_tune_record *r, const 
   int oom = 0;
   c.tile = tile;
   *changed = strcmp(tile, r->tile) != 0;
-  if (r->default_tile && f->complete_tile) {
+  const int nf = n_fields(tile);
+  if (r->default_tile && f->complete_tile && n_fields(r->default_tile) < nf) {
     const char *t = f->complete_tile(f->ctx, r->key, r->default_tile);
     if (t && !(dflt = strdup(t))) oom = 1;
     if (dflt) c.default_tile = dflt, *changed = 1;
@@ -747,7 +758,7 @@ static m3_status insert_completed(m3_tunedb *db, const m3_tune_record *r, const 
   if (r->n_candidates && f->complete_tile && !(cands = calloc(r->n_candidates, sizeof *cands))) oom = 1;
   for (size_t i = 0; cands && i < r->n_candidates; i++) {
     cands[i] = r->candidates[i];
-    const char *t = f->complete_tile(f->ctx, r->key, r->candidates[i].tile);
+    const char *t = n_fields(cands[i].tile) < nf ? f->complete_tile(f->ctx, r->key, cands[i].tile) : NULL;
     if (t && !(cands[i].tile = strdup(t))) oom = 1, cands[i].tile = r->candidates[i].tile;
     if (cands[i].tile != r->candidates[i].tile) *changed = 1;
   }
@@ -1321,12 +1332,15 @@ static int complete_tiles_json(json_t *r, const char *key, const char *tile, con
   if (!f->complete_tile) return bad;
   json_t *d = json_object_get(r, "default_tile"), *ca = json_object_get(r, "candidates"), *c;
   const char *t;
-  if (json_is_string(d) && (t = f->complete_tile(f->ctx, key, json_string_value(d))))
+  const int nf = n_fields(tile);
+  if (json_is_string(d) && n_fields(json_string_value(d)) < nf &&
+      (t = f->complete_tile(f->ctx, key, json_string_value(d))))
     bad |= json_object_set_new(r, "default_tile", json_string(t)), *changed = 1;
   size_t i;
   json_array_foreach(ca, i, c) {
     json_t *ct = json_object_get(c, "tile");
-    if (json_is_string(ct) && (t = f->complete_tile(f->ctx, key, json_string_value(ct))))
+    if (json_is_string(ct) && n_fields(json_string_value(ct)) < nf &&
+        (t = f->complete_tile(f->ctx, key, json_string_value(ct))))
       bad |= json_object_set_new(c, "tile", json_string(t)), *changed = 1;
   }
   return bad;
